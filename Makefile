@@ -1,0 +1,58 @@
+# fedfeat — `make help` lists the targets.
+.DEFAULT_GOAL := help
+SHELL := /bin/bash
+
+PYTHON ?= python3
+VENV ?= .venv
+PY ?= $(VENV)/bin/python
+# torch first, pinned: on CPU machines `torch==2.13.0` is a local CPU build; without the pin open_clip pulls
+# a CUDA build with ~3 GB of nvidia wheels. Set TORCH_PIN= (empty) to keep a torch you installed yourself.
+TORCH_PIN ?= torch==2.13.0
+export PIP_CONSTRAINT ?= $(CURDIR)/constraints.txt
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+STORE ?= cache/synth-cifar10.zarr
+RUNS ?= runs
+
+.PHONY: help install test test-all lint format synth demo bench clean
+
+help: ## list the targets
+	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | sort -u | \
+	  awk 'BEGIN {FS = ":.*## "}; {printf "  \033[1m%-16s\033[0m %s\n", $$1, $$2}'
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@if [ -n "$(TORCH_PIN)" ]; then echo "installing $(TORCH_PIN) first"; $(PY) -m pip install -q "$(TORCH_PIN)"; fi
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $@
+
+install: $(VENV)/.installed ## create .venv and install fedfeat (torch first, pinned) with its dev tools
+
+test: install ## run the test suite (fast, CPU, offline)
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=2 $(PY) -m pytest
+
+test-all: install ## run every test, the slow ones too
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -m ''
+
+lint: install ## ruff lint and format check
+	$(VENV)/bin/ruff check fedfeat tests bench
+	$(VENV)/bin/ruff format --check fedfeat tests bench
+
+format: install ## ruff: fix lint and format in place
+	$(VENV)/bin/ruff check --fix fedfeat tests bench
+	$(VENV)/bin/ruff format fedfeat tests bench
+
+synth: install ## build the synthetic CIFAR-10-shaped store at $(STORE) if missing
+	$(PY) -m fedfeat synth --out $(STORE)
+
+demo: synth ## the main job on the built-in default: synthetic store, partitions, methods, report table
+	$(PY) -m fedfeat info $(STORE)
+	$(PY) -m fedfeat partition $(STORE) --scheme dirichlet --alpha 0.1 --clients 100 --stats
+
+bench: install ## run bench/ and write BENCHMARKS.md
+	$(PY) bench/run_all.py
+
+clean: ## remove runs/ and caches of tools (keeps cache/ stores and .venv)
+	rm -rf $(RUNS) .pytest_cache .ruff_cache
+
+-include mk/*.mk

@@ -1,0 +1,142 @@
+"""The ``fedfeat`` command line. It only parses flags and calls one library function per command.
+
+Errors a user can cause (``FedfeatError``) print as one line, ``error: ...``, with exit status 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from typer.core import TyperGroup
+
+from fedfeat.errors import FedfeatError
+
+class _Group(TyperGroup):
+    """Prints a ``FedfeatError`` from any subcommand as one line and exits with status 2."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except FedfeatError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+
+
+app = typer.Typer(
+    cls=_Group,
+    name="fedfeat",
+    help="Federated learning on cached frozen-CLIP features: encode once, train every method fast.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.command()
+def synth(
+    out: Path = typer.Option(Path("cache/synth-cifar10.zarr"), "--out", help="Store directory to write."),
+    classes: int = typer.Option(10, help="Number of classes K."),
+    dim: int = typer.Option(1024, help="Embedding dimension D (RN50: 1024, ViT-B: 512)."),
+    train_per_class: int = typer.Option(5000, help="Training samples per class."),
+    test_per_class: int = typer.Option(1000, help="Test samples per class."),
+    templates: int = typer.Option(18, help="Number of prompt templates (text embeddings per class)."),
+    seed: int = typer.Option(0, help="Generator seed: the same seed gives the same store, byte for byte."),
+    stats: bool = typer.Option(True, help="Measure zero-shot / linear-probe / cosine statistics (~10 s)."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing store at --out."),
+) -> None:
+    """Write a synthetic CLIP-like store (default: CIFAR-10 shape under RN50) with the real layout."""
+    from fedfeat.synth import SynthParams, write_synthetic_store
+
+    p = SynthParams(
+        classes=classes,
+        dim=dim,
+        train_per_class=train_per_class,
+        test_per_class=test_per_class,
+        templates=templates,
+        seed=seed,
+    )
+    write_synthetic_store(out, p, force=force, stats=stats, log=typer.echo)
+    typer.echo(f"store: {out}")
+
+
+@app.command()
+def info(
+    store: Path = typer.Argument(..., help="Store directory (made by `fedfeat synth` or `fedfeat encode`)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the attributes as JSON instead of a table."),
+) -> None:
+    """Print a store's attributes, sizes and partitions (incomplete stores are shown, marked as such)."""
+    from fedfeat.report import print_store_info
+
+    print_store_info(store, as_json=as_json)
+
+
+@app.command()
+def partition(
+    store: Path = typer.Argument(..., help="Store directory whose split is partitioned."),
+    scheme: str = typer.Option(
+        "dirichlet", help="iid | shard | dirichlet | dirichlet-equal | disjoint-classes."
+    ),
+    clients: int = typer.Option(100, help="Number of clients."),
+    alpha: Optional[float] = typer.Option(
+        None, help="Dirichlet concentration (dirichlet, dirichlet-equal); default 0.1 / 0.5."
+    ),
+    shards: Optional[int] = typer.Option(None, help="Shards per client (shard); default 2."),
+    imbalance_factor: Optional[float] = typer.Option(
+        None, help="Long-tail the split first (CLIP2FL exp profile, class 0 head), e.g. 100."
+    ),
+    shots: Optional[int] = typer.Option(None, help="Samples per class (disjoint-classes); default 10."),
+    seed: Optional[int] = typer.Option(
+        None, help="Partition seed; default FedNTD's 19940817 (iid/shard/dirichlet) or CLIP2FL's 7."
+    ),
+    split: str = typer.Option("train", help="Split to partition."),
+    stats: bool = typer.Option(False, "--stats", help="Print per-client sample and class counts."),
+    export: Optional[Path] = typer.Option(None, "--export", help="Write each client's sample indices to JSON."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Draw the client x class count heatmap (PNG)."),
+    save: bool = typer.Option(True, help="Store the partition under the store's partitions/ (for reuse)."),
+) -> None:
+    """Split a store's training set into clients (FedNTD / CLIP2FL algorithms, exact)."""
+    from fedfeat.report import partition_command
+
+    partition_command(
+        store,
+        scheme=scheme,
+        clients=clients,
+        alpha=alpha,
+        shards=shards,
+        imbalance_factor=imbalance_factor,
+        shots=shots,
+        seed=seed,
+        split=split,
+        stats=stats,
+        export=export,
+        plot=plot,
+        save=save,
+    )
+
+
+def _register_optional() -> None:
+    """Commands that live in their own modules register here (keeps this file a thin parser)."""
+    import importlib
+
+    for mod in ("fedfeat.cli_train", "fedfeat.cli_encode"):
+        try:
+            m = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+            continue
+        m.register(app)
+
+
+_register_optional()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``fedfeat`` console script."""
+    app(args=argv, prog_name="fedfeat")
+
+
+if __name__ == "__main__":
+    main()

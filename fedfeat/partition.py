@@ -1,0 +1,731 @@
+"""Client partitions of one split: which sample positions each client holds.
+
+Every scheme reproduces a published code's partition bit for bit: same algorithm, same random calls in the
+same order, on generators seeded the way that code seeds them. The reference codes draw from numpy's
+legacy global generator (a ``RandomState``) and python's ``random``; fedfeat draws from a private
+``np.random.RandomState(seed)`` / ``random.Random(seed)`` instead (identical streams, so identical results,
+checked against transcriptions of the reference functions in ``tests/reference_partitions.py``) and never
+touches the global generators.
+
+Schemes (``SCHEMES``; names follow flwr-datasets where they overlap):
+
+============================  ===================================================  =====================
+scheme                        source                                               default seed
+============================  ===================================================  =====================
+``iid``                       FedNTD ``iid_partition``                             ``FEDNTD_SEED``
+``shard``                     FedNTD ``sharding_partition``                        ``FEDNTD_SEED``
+``dirichlet``                 FedNTD ``lda_partition`` (FedML rule)                ``FEDNTD_SEED``
+``dirichlet-equal``           CLIP2FL/CReFF ``clients_indices``                    ``CLIP2FL_SEED``
+``disjoint-classes``          Fed-MP ``caltech_split_clients``                     ``FEDMP_SEED``
+(any, with imbalance factor)  CLIP2FL ``train_long_tail`` first                    ``CLIP2FL_SEED``
+============================  ===================================================  =====================
+
+FedNTD: ``Lee-Gihun/FedNTD``, ``train_tools/preprocessing/datasetter.py`` (HEAD be00ee5), seeded in
+``main.py`` with ``np.random.seed(19940817); random.seed(19940817)``. CLIP2FL: ``shijiangming1/CLIP2FL``
+@ 9db63f3, ``Dataset/long_tailed_cifar10.py`` and ``Dataset/sample_dirichlet.py`` (the same code as CReFF,
+``shangxinyi/CReFF-FL``); ``main.py`` seeds ``np.random.seed(7)`` and passes ``--seed`` (7) to
+``clients_indices``. Fed-MP: ``huiminzeng/Fed-MP``, ``dataset/utils.py``.
+
+Positions are always positions in the labels array given (the split); ``make_partition`` maps the
+positions of a long-tailed subset back to split positions. A scheme's "each sample to exactly one client"
+holds for the samples it keeps; each function says which samples it drops.
+
+Example::
+
+    >>> labels = np.repeat(np.arange(10), 50)
+    >>> p = make_partition(labels, "dirichlet", clients=5, alpha=0.5)
+    >>> partition_key(p)
+    'dirichlet-a0.5-c5-s19940817'
+    >>> int(p.sizes().sum())
+    500
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import operator
+import os
+import random
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fedfeat.errors import FedfeatError
+
+__all__ = [
+    "CLIP2FL_SEED",
+    "FEDMP_SEED",
+    "FEDNTD_SEED",
+    "SCHEMES",
+    "Partition",
+    "default_seed",
+    "dirichlet",
+    "dirichlet_equal",
+    "disjoint_classes",
+    "from_json",
+    "iid",
+    "longtail",
+    "longtail_counts",
+    "make_partition",
+    "partition_key",
+    "shard",
+    "to_json",
+]
+
+SCHEMES: tuple[str, ...] = ("iid", "shard", "dirichlet", "dirichlet-equal", "disjoint-classes")
+FEDNTD_SEED = 19940817  # FedNTD main.py: np.random.seed(19940817); random.seed(19940817)
+CLIP2FL_SEED = 7  # CLIP2FL main.py: np.random.seed(7); options.py --seed 7
+FEDMP_SEED = 0  # Fed-MP: np.random.seed(i + 1) for client i (Caltech, Food, Flowers) = FEDMP_SEED + i + 1
+
+_MAX_DRAWS = 10_000  # the references loop forever when no draw succeeds; fedfeat gives up with an error
+_AUX_WORKERS = 10  # CLIP2FL's n_auxi_workers: Dirichlet workers per chunk
+_SEED_MAX = 2**32 - 1  # np.random.RandomState accepts 0 .. 2**32 - 1
+
+
+# ----------------------------------------------------------------------------------------- the result
+
+
+@dataclass(frozen=True, eq=False)
+class Partition:
+    """A split's partition: ``clients[i]`` = int64 positions into the split, in client i's own order."""
+
+    scheme: str
+    params: dict  # every parameter (scheme, clients, alpha, shards, imbalance_factor, seed, ...); JSON-safe
+    clients: list[np.ndarray]
+
+    @property
+    def n_clients(self) -> int:
+        return len(self.clients)
+
+    def sizes(self) -> np.ndarray:
+        """Samples per client, int64 ``[clients]``."""
+        return np.array([len(c) for c in self.clients], dtype=np.int64)
+
+    def order_and_offsets(self) -> tuple[np.ndarray, np.ndarray]:
+        """Client-major concatenation ``order`` int64 ``[M]`` and ``offsets`` int64 ``[clients + 1]``.
+
+        Client i holds ``order[offsets[i]:offsets[i + 1]]`` (the storage layout: one client = one read).
+        """
+        offsets = np.zeros(self.n_clients + 1, dtype=np.int64)
+        np.cumsum(self.sizes(), out=offsets[1:])
+        order = np.concatenate(self.clients).astype(np.int64) if self.clients else np.zeros(0, np.int64)
+        return order, offsets
+
+    @classmethod
+    def from_order_and_offsets(cls, scheme: str, params: dict, order, offsets) -> Partition:
+        """Inverse of ``order_and_offsets``."""
+        order = np.asarray(order, dtype=np.int64)
+        offsets = np.asarray(offsets, dtype=np.int64)
+        if (
+            order.ndim != 1
+            or offsets.ndim != 1
+            or len(offsets) < 1
+            or offsets[0] != 0
+            or offsets[-1] != len(order)
+            or np.any(np.diff(offsets) < 0)
+        ):
+            raise FedfeatError(
+                f"partition '{scheme}' is corrupt: offsets must rise from 0 to len(order)={len(order)}; "
+                "rebuild it (fedfeat partition) or delete it from the store"
+            )
+        return cls(scheme, dict(params), [order[a:b] for a, b in itertools.pairwise(offsets)])
+
+    def counts(self, labels, n_classes: int) -> np.ndarray:
+        """Samples per client and class, int64 ``[clients, classes]``."""
+        labels = np.asarray(labels)
+        order, offsets = self.order_and_offsets()
+        owner = np.repeat(np.arange(self.n_clients), np.diff(offsets))
+        flat = np.bincount(owner * n_classes + labels[order], minlength=self.n_clients * n_classes)
+        return flat.reshape(self.n_clients, n_classes).astype(np.int64)
+
+    def unassigned(self, n: int) -> np.ndarray:
+        """Positions in ``0..n-1`` that no client holds (iid remainder, long-tail cut, Fed-MP's unused...)."""
+        held = np.zeros(n, dtype=bool)
+        held[self.order_and_offsets()[0]] = True
+        return np.flatnonzero(~held)
+
+
+# ----------------------------------------------------------------------------------------- checks
+
+
+def _labels(labels) -> np.ndarray:
+    arr = np.asarray(labels)
+    if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+        raise FedfeatError(
+            f"labels must be a non-empty 1-D array of integer class ids (got shape {arr.shape}, "
+            f"dtype {arr.dtype}); pass the split's label array"
+        )
+    arr = arr.astype(np.int64, copy=False)
+    if arr.min() < 0:
+        raise FedfeatError(f"labels must be class ids >= 0 (found {arr.min()}); remap the labels to 0..C-1")
+    return arr
+
+
+def _int(name: str, value, minimum: int, fix: str) -> int:
+    try:
+        out = operator.index(value)
+    except TypeError:
+        raise FedfeatError(f"{name} must be an integer (got {value!r}); {fix}") from None
+    if out < minimum:
+        raise FedfeatError(f"{name} must be >= {minimum} (got {out}); {fix}")
+    return out
+
+
+def _seed(seed, lowest: int = 0, highest: int = _SEED_MAX) -> int:
+    seed = _int("seed", seed, lowest, f"pick a seed in {lowest}..{highest}")
+    if seed > highest:
+        raise FedfeatError(f"seed must be <= {highest} (got {seed}); pick a seed in {lowest}..{highest}")
+    return seed
+
+
+def _alpha(alpha) -> float:
+    try:
+        out = float(alpha)
+    except (TypeError, ValueError):
+        out = float("nan")
+    if not (out > 0 and math.isfinite(out)):
+        raise FedfeatError(
+            f"alpha must be a positive finite Dirichlet concentration (got {alpha!r}); "
+            "pass e.g. alpha=0.5 (smaller = more skewed)"
+        )
+    return out
+
+
+def _n_classes(labels: np.ndarray, n_classes) -> int:
+    if n_classes is None:
+        return int(labels.max()) + 1
+    n_classes = _int("n_classes", n_classes, 1, "pass the split's number of classes")
+    if labels.max() >= n_classes:
+        raise FedfeatError(
+            f"label {labels.max()} is out of range for n_classes={n_classes}; pass the split's number of classes"
+        )
+    return n_classes
+
+
+def _clients(n_clients, n_samples: int) -> int:
+    n_clients = _int("clients", n_clients, 1, "use at least one client")
+    if n_clients > n_samples:
+        raise FedfeatError(
+            f"{n_clients} clients but only {n_samples} samples; use at most {n_samples} clients"
+        )
+    return n_clients
+
+
+# ----------------------------------------------------------------------------------------- shared pieces
+
+
+def _by_class(labels: np.ndarray, n_classes: int) -> list[np.ndarray]:
+    """Positions of each class id ``0..n_classes-1`` in dataset order (CLIP2FL's ``classify_label``)."""
+    order = np.argsort(labels, kind="stable")
+    return np.split(order, np.cumsum(np.bincount(labels, minlength=n_classes))[:-1])
+
+
+def _piece_sizes(cuts: np.ndarray, length: int) -> np.ndarray:
+    """Sizes of the pieces ``np.split(a, cuts)`` makes of an ``a`` of this length (python slice rules).
+
+    Only needed when the cuts are NaN cast to int (``p / p.sum()`` is 0 / 0 because every client with
+    p > 0 is capped, or the Dirichlet draw itself underflowed to NaN at tiny alpha): the cast gives one
+    platform-defined value for all cuts and the pieces follow from the slice rules, as in the reference
+    (on x86 the last client takes the whole class).
+    """
+    bounds = np.concatenate(([0], cuts, [length])).astype(np.int64)
+    bounds = np.clip(np.where(bounds < 0, bounds + length, bounds), 0, length)
+    return np.maximum(np.diff(bounds), 0)
+
+
+def _dirichlet_cut(rs: np.random.RandomState, alphas: np.ndarray, held: np.ndarray, cap: float, n: int):
+    """FedML's per-class rule: p ~ Dir(alphas), zero for clients holding >= cap, cut n items at cumsum(p).
+
+    The same float operations as the reference (``p * (len < cap)``, ``p / p.sum()``,
+    ``(cumsum(p) * n).astype(int)[:-1]``), vectorised over clients. Returns the piece sizes ``[clients]``;
+    the pieces lie in client order, so client j takes items ``[sum(sizes[:j]), sum(sizes[:j + 1]))``.
+    """
+    p = rs.dirichlet(alphas)
+    p = p * (held < cap)
+    total = p.sum()
+    if not total > 0:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return _piece_sizes((np.cumsum(p / total) * n).astype(int)[:-1], n)
+    cuts = (np.cumsum(p / total) * n).astype(int)  # monotone, within [0, n]
+    cuts[-1] = n  # np.split's last piece ends at len(a)
+    sizes = cuts.copy()
+    sizes[1:] -= cuts[:-1]
+    return sizes
+
+
+def _gather_by_owner(items: list[np.ndarray], pieces: list[np.ndarray], n_owners: int) -> list[np.ndarray]:
+    """Owner j's list = piece j of items[0], then piece j of items[1], ... (the references' list appends)."""
+    flat = np.concatenate(items)
+    owner = np.concatenate([np.repeat(np.arange(n_owners), sizes) for sizes in pieces])
+    by_owner = flat[np.argsort(owner, kind="stable")]
+    return np.split(by_owner, np.cumsum(np.sum(pieces, axis=0))[:-1])
+
+
+# ----------------------------------------------------------------------------------------- schemes
+
+
+def iid(labels, n_clients: int, seed: int = FEDNTD_SEED) -> list[np.ndarray]:
+    """Uniform random clients of ``int(N / clients)`` samples each (FedNTD ``iid_partition``).
+
+    Source: ``Lee-Gihun/FedNTD`` ``train_tools/preprocessing/datasetter.py``. For each client in turn, the
+    remaining positions are shuffled in place and the client takes the first ``int(N / clients)``.
+    Drops: the ``N mod clients`` positions left at the end (random ones).
+    """
+    labels = _labels(labels)
+    n = len(labels)
+    n_clients = _clients(n_clients, n)
+    rs = np.random.RandomState(_seed(seed))
+    length = int(n / n_clients)
+    remaining = np.arange(n, dtype=np.int64)
+    clients = []
+    for _ in range(n_clients):
+        rs.shuffle(remaining)
+        clients.append(remaining[:length].copy())
+        remaining = remaining[length:]
+    return clients
+
+
+def shard(labels, n_clients: int, shards_per_client: int = 2, seed: int = FEDNTD_SEED) -> list[np.ndarray]:
+    """Label-sorted shards, ``shards_per_client`` per client (FedNTD ``sharding_partition``).
+
+    Source: ``Lee-Gihun/FedNTD`` ``train_tools/preprocessing/datasetter.py``. Each class's positions, in
+    dataset order (not shuffled), are cut into ``s * clients / C`` equal shards; the ``len % (shards per class)`` leftover
+    positions go one each to the first shards. The class list ``[0..C-1] * shards_per_class`` is shuffled
+    with python ``random`` and cut into rows of ``s`` labels (a row may repeat a label); each client then
+    pops a random remaining shard of each of its labels (``np.random.choice(n, replace=False)``).
+    Drops: nothing. fedfeat requires ``s * clients`` to be a multiple of C, so every client gets exactly ``s``
+    shards (FedNTD silently gives fewer otherwise, or fails in a reshape). Classes are the ids that occur,
+    in increasing order (FedNTD uses ``range(#classes)``: the same when all ids 0..C-1 occur).
+    """
+    labels = _labels(labels)
+    n_clients = _clients(n_clients, len(labels))
+    s = _int("shards", shards_per_client, 1, "give each client at least one shard")
+    classes = np.unique(labels)
+    n_cls = len(classes)
+    if (s * n_clients) % n_cls:
+        raise FedfeatError(
+            f"shard: shards x clients = {s} x {n_clients} = {s * n_clients} is not a multiple of the {n_cls} "
+            f"classes; choose clients and shards so that their product is a multiple of {n_cls}"
+        )
+    rs = np.random.RandomState(_seed(seed))
+    py = random.Random(seed)
+    per_class = s * n_clients // n_cls
+
+    by_class = _by_class(labels, int(classes[-1]) + 1)
+    shards: dict[int, list[np.ndarray]] = {}
+    for c in classes.tolist():
+        idx = by_class[c]
+        n_left = len(idx) % per_class
+        body = idx[: len(idx) - n_left]
+        parts = list(body.reshape((per_class, -1)))
+        for i in range(n_left):
+            parts[i] = np.append(parts[i], idx[len(idx) - n_left + i])
+        shards[c] = parts
+
+    row_labels = classes.tolist() * per_class
+    py.shuffle(row_labels)
+    rows = np.array(row_labels).reshape((n_clients, -1))
+    clients = []
+    for row in rows.tolist():
+        picked = [shards[c].pop(rs.choice(len(shards[c]), replace=False)) for c in row]
+        clients.append(np.concatenate(picked).astype(np.int64))
+    return clients
+
+
+def dirichlet(
+    labels, n_clients: int, alpha: float, seed: int = FEDNTD_SEED, min_size: int = 10
+) -> list[np.ndarray]:
+    """Per-class Dirichlet label skew (FedNTD ``lda_partition``, the FedML rule).
+
+    Source: ``Lee-Gihun/FedNTD`` ``train_tools/preprocessing/datasetter.py``. For each class in turn: its
+    positions (dataset order) are shuffled, ``p ~ Dir(alpha * 1)``, clients already holding ``>= N / clients``
+    get ``p = 0``, and the class is cut at ``cumsum(p)``. The whole partition is drawn again until every client
+    holds ``>= min_size`` (10) samples; finally each client's list is shuffled.
+    Drops: nothing. Classes are the ids that occur, in increasing order (FedNTD iterates ``range(#classes)``:
+    the same when all ids 0..C-1 occur). Gives up with an error after 10,000 draws (FedNTD loops forever).
+    """
+    labels = _labels(labels)
+    n = len(labels)
+    n_clients = _clients(n_clients, n)
+    alpha = _alpha(alpha)
+    min_size = _int("min_size", min_size, 0, "use min_size >= 0")
+    if n < min_size * n_clients:
+        raise FedfeatError(
+            f"dirichlet: {n} samples cannot give {n_clients} clients >= {min_size} samples each; "
+            f"use at most {n // max(min_size, 1)} clients"
+        )
+    rs = np.random.RandomState(_seed(seed))
+    by_class = [idx for idx in _by_class(labels, int(labels.max()) + 1) if len(idx)]  # the ids that occur
+    cap = n / n_clients
+    alphas = np.repeat(alpha, n_clients)
+    for _ in range(_MAX_DRAWS):
+        held = np.zeros(n_clients, dtype=np.int64)
+        shuffled, pieces = [], []
+        for idx in by_class:
+            idx = idx.copy()
+            rs.shuffle(idx)
+            sizes = _dirichlet_cut(rs, alphas, held, cap, len(idx))
+            held += sizes
+            shuffled.append(idx)
+            pieces.append(sizes)
+        if held.min() >= min_size:
+            break
+    else:
+        raise FedfeatError(
+            f"dirichlet: no draw in {_MAX_DRAWS} gave all {n_clients} clients >= {min_size} samples at "
+            f"alpha={alpha}; use fewer clients or a larger alpha"
+        )
+    clients = _gather_by_owner(shuffled, pieces, n_clients)
+    for c in clients:
+        rs.shuffle(c)
+    return clients
+
+
+def _chunks(n: int, n_clients: int) -> list[tuple[int, int, int]]:
+    """CLIP2FL's chunks of the shuffled list: (start, stop, workers); 10 workers each, the rest in the last."""
+    n_chunks = math.ceil(n_clients / _AUX_WORKERS)
+    step = int(_AUX_WORKERS / n_clients * n)
+    return [
+        (
+            k * step,
+            n if k == n_chunks - 1 else (k + 1) * step,
+            min(_AUX_WORKERS, n_clients - k * _AUX_WORKERS),
+        )
+        for k in range(n_chunks)
+    ]
+
+
+def _chunks_fit(n: int, n_clients: int) -> bool:
+    """Whether every chunk asks its workers for >= 1 sample (CLIP2FL skips a chunk that asks for 0)."""
+    return all(int(0.50 * (hi - lo) / n_w) > 0 for lo, hi, n_w in _chunks(n, n_clients))
+
+
+def dirichlet_equal(
+    labels, n_clients: int, alpha: float, seed: int = CLIP2FL_SEED, n_classes: int | None = None
+) -> list[np.ndarray]:
+    """Chunked Dirichlet re-cut into equal-size clients (CLIP2FL/CReFF ``clients_indices``).
+
+    Source: ``shijiangming1/CLIP2FL`` ``Dataset/sample_dirichlet.py`` (``clients_indices``,
+    ``build_non_iid_by_dirichlet``, ``partition_balance``). The positions are listed class-major (class 0
+    first; within a class in the order they occur in ``labels``: dataset order, or the long-tail order when
+    ``labels`` is the output of ``longtail``) and shuffled with ``RandomState(seed)``, which makes every later
+    draw too. The list is cut into ``ceil(clients / 10)`` chunks of ``int(10 / clients * N)`` (the last takes
+    the rest); each chunk is dealt to 10 workers (fewer in the last chunk) by the FedML rule without
+    further shuffling (classes ``0..n_classes-1``, cap ``chunk / workers``), redrawn until every worker has
+    ``>= int(0.5 * chunk / workers)``. The workers' lists, concatenated in order, are re-cut into ``clients``
+    consecutive pieces of equal size (the first ``N mod clients`` one larger).
+    Drops: nothing (CLIP2FL drops a chunk of fewer than 2 samples per worker; fedfeat refuses such input).
+    Needs >= 10 clients, like the reference.
+    """
+    labels = _labels(labels)
+    n = len(labels)
+    n_cls = _n_classes(labels, n_classes)
+    n_clients = _clients(n_clients, n)
+    if n_clients < _AUX_WORKERS:
+        raise FedfeatError(
+            f"dirichlet-equal needs >= {_AUX_WORKERS} clients (CLIP2FL deals each chunk to "
+            f"{_AUX_WORKERS} workers), got {n_clients}; use clients >= {_AUX_WORKERS} or scheme 'dirichlet'"
+        )
+    if not _chunks_fit(n, n_clients):
+        fits = [c for c in range(_AUX_WORKERS, n_clients) if _chunks_fit(n, c)]
+        fix = f"use at most {fits[-1]} clients" if fits else "use scheme 'dirichlet' or more samples"
+        raise FedfeatError(
+            f"dirichlet-equal: {n} samples leave a chunk with under 2 samples per client for {n_clients} "
+            f"clients (CLIP2FL would silently drop it); {fix}"
+        )
+    alpha = _alpha(alpha)
+    rs = np.random.RandomState(_seed(seed))
+
+    items = np.argsort(labels, kind="stable")  # class-major (position, label) list
+    perm = np.arange(n)
+    rs.shuffle(perm)  # the same swaps as shuffling the list of (position, label) tuples
+    items = items[perm]
+    item_labels = labels[items]
+
+    worker_lists: list[np.ndarray] = []
+    for lo, hi, n_w in _chunks(n, n_clients):
+        chunk, chunk_labels = items[lo:hi], item_labels[lo:hi]
+        size = hi - lo
+        need = int(0.50 * size / n_w)
+        by_class = [chunk[chunk_labels == c] for c in range(n_cls)]
+        cap = size / n_w
+        alphas = np.repeat(alpha, n_w)
+        for _ in range(_MAX_DRAWS):
+            held = np.zeros(n_w, dtype=np.int64)
+            pieces = []
+            for idx in by_class:
+                sizes = _dirichlet_cut(rs, alphas, held, cap, len(idx))
+                held += sizes
+                pieces.append(sizes)
+            if held.min() >= need:
+                break
+        else:
+            raise FedfeatError(
+                f"dirichlet-equal: no draw in {_MAX_DRAWS} gave all {n_w} workers of a chunk >= {need} "
+                f"samples at alpha={alpha}; use a larger alpha or fewer clients"
+            )
+        worker_lists += _gather_by_owner(by_class, pieces, n_w)
+
+    flat = np.concatenate(worker_lists)
+    per, extra = divmod(n, n_clients)
+    bounds = np.concatenate(([0], np.cumsum([per + 1] * extra + [per] * (n_clients - extra))))
+    return [flat[a:b].astype(np.int64) for a, b in itertools.pairwise(bounds)]
+
+
+def longtail_counts(n_samples: int, n_classes: int, imbalance_factor: float) -> list[int]:
+    """Samples kept per class: ``int(N / C * (1 / IF) ** (c / (C - 1)))`` (CLIP2FL ``_get_img_num_per_cls``).
+
+    >>> longtail_counts(50000, 10, 100)
+    [5000, 2997, 1796, 1077, 645, 387, 232, 139, 83, 50]
+    """
+    code_factor = 1.0 / imbalance_factor  # CLIP2FL's imb_factor: 0.01 for "IF 100" (1 / 100 == 0.01 exactly)
+    img_max = n_samples / n_classes
+    return [int(img_max * (code_factor ** (c / (n_classes - 1.0)))) for c in range(n_classes)]
+
+
+def longtail(
+    labels, imbalance_factor: float, seed: int = CLIP2FL_SEED, n_classes: int | None = None
+) -> np.ndarray:
+    """Positions kept by the exponential long-tail profile, class 0 the head (CLIP2FL ``train_long_tail``).
+
+    Source: ``shijiangming1/CLIP2FL`` ``Dataset/long_tailed_cifar10.py`` (imb_type 'exp'), run after
+    ``np.random.seed(seed)``. ``imbalance_factor`` is the usual ``>= 1`` ratio head / tail (100 here is
+    CLIP2FL's ``--imb_factor 0.01``). Class c keeps ``longtail_counts(N, C, IF)[c]`` samples: its positions
+    (dataset order) are shuffled and the first ones kept. Returns the kept positions int64, class-major and
+    in that shuffled order (CLIP2FL's per-class lists, concatenated): the order ``dirichlet_equal`` needs.
+    Drops: all but the kept ones. ``n_classes`` defaults to ``labels.max() + 1``.
+    """
+    labels = _labels(labels)
+    n_cls = _n_classes(labels, n_classes)
+    try:
+        factor = float(imbalance_factor)
+    except (TypeError, ValueError):
+        factor = float("nan")
+    if not (factor >= 1 and math.isfinite(factor)):
+        raise FedfeatError(
+            f"imbalance factor must be a finite number >= 1 (head / tail ratio; got {imbalance_factor!r}); "
+            "pass e.g. imbalance_factor=100 (CLIP2FL's 0.01 is 100 here)"
+        )
+    if n_cls < 2:
+        raise FedfeatError("longtail needs at least 2 classes; drop the imbalance factor for this split")
+    rs = np.random.RandomState(_seed(seed))
+    counts = longtail_counts(len(labels), n_cls, factor)
+    kept = []
+    for idx, n_c in zip(_by_class(labels, n_cls), counts):
+        idx = idx.copy()
+        rs.shuffle(idx)
+        kept.append(idx[:n_c])
+    return np.concatenate(kept).astype(np.int64)
+
+
+def disjoint_classes(
+    labels, n_clients: int, shots: int, seed: int = FEDMP_SEED, n_classes: int | None = None
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """Fed-MP's base/novel split: disjoint classes per client, ``shots`` samples of each.
+
+    Source: ``huiminzeng/Fed-MP`` ``dataset/utils.py`` (``caltech_split_clients``). ``C // (clients + 1)``
+    classes per client. Client i draws from ``RandomState(seed + i + 1)`` (Fed-MP calls
+    ``np.random.seed(i + 1)`` for Caltech101, Food101 and Flowers102, so the default ``seed=0`` matches those;
+    ``seed=-1`` gives its FGVC/UCF convention ``i``, ``seed=1`` its Cars convention ``i + 2``): first its
+    classes from the remaining ones (sorted), without replacement, then for each drawn class, in draw order,
+    ``shots`` of its positions (dataset order) without replacement; a class with fewer than ``shots`` samples
+    gives all of them (Fed-MP's UCF fallback). Returns (clients, novel class ids): the classes no client drew,
+    sorted; they are the unseen test classes.
+    Drops: every sample of a novel class and all but ``shots`` of each client class.
+    """
+    labels = _labels(labels)
+    n_cls = _n_classes(labels, n_classes)
+    n_clients = _int("clients", n_clients, 1, "use at least one client")
+    shots = _int("shots", shots, 1, "pass the samples per class, e.g. shots=10")
+    seed = _seed(seed, lowest=-1, highest=_SEED_MAX - n_clients)
+    per_client = n_cls // (n_clients + 1)
+    if per_client < 1:
+        raise FedfeatError(
+            f"disjoint-classes: {n_cls} classes cannot give {n_clients} clients a class each and keep novel "
+            f"classes; use at most {n_cls - 1} clients"
+        )
+    per_class = _by_class(labels, n_cls)
+    remaining = list(range(n_cls))
+    clients = []
+    for i in range(n_clients):
+        rs = np.random.RandomState(seed + i + 1)
+        drawn = rs.choice(remaining, per_client, replace=False).tolist()
+        remaining = sorted(set(remaining) - set(drawn))
+        picked = []
+        for c in drawn:
+            pool = per_class[c]
+            picked.append(rs.choice(pool, shots, replace=False) if len(pool) >= shots else pool)
+        clients.append(np.concatenate(picked).astype(np.int64))
+    return clients, np.array(remaining, dtype=np.int64)
+
+
+# ----------------------------------------------------------------------------------------- composition
+
+
+def default_seed(scheme: str, imbalance_factor: float | None = None) -> int:
+    """The seed a scheme's reference code uses: CLIP2FL's 7 whenever the long tail is involved."""
+    if imbalance_factor is not None or scheme == "dirichlet-equal":
+        return CLIP2FL_SEED
+    if scheme == "disjoint-classes":
+        return FEDMP_SEED
+    return FEDNTD_SEED
+
+
+_USES = {  # which optional parameters each scheme takes
+    "iid": (),
+    "shard": ("shards",),
+    "dirichlet": ("alpha",),
+    "dirichlet-equal": ("alpha",),
+    "disjoint-classes": ("shots",),
+}
+
+
+def make_partition(
+    labels,
+    scheme: str,
+    *,
+    clients: int,
+    alpha: float | None = None,
+    shards: int | None = None,
+    imbalance_factor: float | None = None,
+    seed: int | None = None,
+    shots: int | None = None,
+    n_classes: int | None = None,
+) -> Partition:
+    """Partition a split by name; the one entry point the CLI and the store use.
+
+    With ``imbalance_factor``, the split is first cut to CLIP2FL's long tail (``longtail``) and the scheme
+    runs on the kept samples, in ``longtail``'s order (class-major, shuffled within a class: what CLIP2FL feeds
+    its partitioner), and the clients are mapped back to split positions. One ``seed`` drives both steps,
+    each from a fresh generator (as in CLIP2FL: ``np.random.seed(7)`` for the tail, ``RandomState(7)`` for the
+    Dirichlet). Default seed: ``default_seed(scheme, imbalance_factor)`` (FedNTD's 19940817 for iid / shard /
+    dirichlet, CLIP2FL's 7 for dirichlet-equal and for anything with a long tail, 0 for disjoint-classes).
+    ``shards`` defaults to 2 (FedNTD). ``n_classes`` defaults to ``labels.max() + 1``.
+
+    >>> p = make_partition(np.repeat(np.arange(10), 100), "shard", clients=10)
+    >>> partition_key(p), p.sizes().tolist()[:3]
+    ('shard-sh2-c10-s19940817', [100, 100, 100])
+    """
+    labels = _labels(labels)
+    if scheme not in SCHEMES:
+        hint = (
+            " (the long tail is not a scheme: pass imbalance_factor with any scheme)"
+            if scheme == "longtail"
+            else ""
+        )
+        raise FedfeatError(f"unknown partition scheme {scheme!r}{hint}; choose one of: {', '.join(SCHEMES)}")
+    given = {"alpha": alpha, "shards": shards, "shots": shots}
+    for name, value in given.items():
+        if value is not None and name not in _USES[scheme]:
+            raise FedfeatError(
+                f"{name} does not apply to scheme {scheme!r}; drop {name} or pick a scheme that uses it"
+            )
+    if scheme in ("dirichlet", "dirichlet-equal") and alpha is None:
+        raise FedfeatError(f"scheme {scheme!r} needs alpha; pass e.g. alpha=0.5 (smaller = more skewed)")
+    if scheme == "disjoint-classes" and shots is None:
+        raise FedfeatError("scheme 'disjoint-classes' needs shots; pass the samples per class, e.g. shots=10")
+    n_cls = _n_classes(labels, n_classes)
+    if seed is None:
+        seed = default_seed(scheme, imbalance_factor)
+    if scheme == "shard" and shards is None:
+        shards = 2
+
+    if imbalance_factor is not None:
+        kept = longtail(labels, imbalance_factor, seed, n_classes=n_cls)
+    else:
+        kept = np.arange(len(labels), dtype=np.int64)
+    sub = labels[kept]
+    extra: dict = {}
+    if scheme == "iid":
+        parts = iid(sub, clients, seed)
+    elif scheme == "shard":
+        parts = shard(sub, clients, shards, seed)
+    elif scheme == "dirichlet":
+        parts = dirichlet(sub, clients, alpha, seed)
+    elif scheme == "dirichlet-equal":
+        parts = dirichlet_equal(sub, clients, alpha, seed, n_classes=n_cls)
+    else:
+        parts, novel = disjoint_classes(sub, clients, shots, seed, n_classes=n_cls)
+        extra["novel_classes"] = novel.tolist()
+    parts = [kept[p] for p in parts]
+    empty = [i for i, p in enumerate(parts) if len(p) == 0]
+    if empty:
+        raise FedfeatError(
+            f"{scheme}: {len(empty)} of {len(parts)} clients got no samples (first: client {empty[0]}); "
+            "use fewer clients"
+        )
+    params = {
+        "scheme": scheme,
+        "clients": int(clients),
+        "alpha": None if alpha is None else float(alpha),
+        "shards": None if shards is None else int(shards),
+        "imbalance_factor": None if imbalance_factor is None else _plain(imbalance_factor),
+        "seed": int(seed),
+        "shots": None if shots is None else int(shots),
+        "n_classes": n_cls,
+        "n_samples": len(labels),
+        **extra,
+    }
+    return Partition(scheme, params, parts)
+
+
+def _plain(x) -> int | float:
+    """A number as the int it is, or a float (JSON-safe, and '100' not '100.0' in keys)."""
+    x = float(x)
+    return int(x) if x.is_integer() else x
+
+
+def partition_key(partition_or_params) -> str:
+    """Short readable storage key, unique per parameter set.
+
+    >>> partition_key({"scheme": "dirichlet-equal", "clients": 20, "alpha": 0.5, "imbalance_factor": 100,
+    ...                "seed": 7})
+    'lt100+dirichlet-equal-a0.5-c20-s7'
+    """
+    p = partition_or_params.params if isinstance(partition_or_params, Partition) else partition_or_params
+    key = p["scheme"]
+    if p.get("shards") is not None:
+        key += f"-sh{int(p['shards'])}"
+    if p.get("alpha") is not None:
+        key += f"-a{_plain(p['alpha'])}"
+    if p.get("shots") is not None:
+        key += f"-shot{int(p['shots'])}"
+    key += f"-c{int(p['clients'])}-s{int(p['seed'])}"
+    if p.get("imbalance_factor") is not None:
+        key = f"lt{_plain(p['imbalance_factor'])}+{key}"
+    return key
+
+
+def to_json(partition: Partition, path) -> None:
+    """Write ``{"scheme", "params", "clients": [[position, ...], ...]}`` atomically (tmp file + rename)."""
+    path = Path(path)
+    doc = {
+        "scheme": partition.scheme,
+        "params": partition.params,
+        "clients": [np.asarray(c).tolist() for c in partition.clients],
+    }
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, separators=(",", ":"))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def from_json(path) -> Partition:
+    """Read a file written by ``to_json``."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        return Partition(
+            doc["scheme"], doc["params"], [np.asarray(c, dtype=np.int64) for c in doc["clients"]]
+        )
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise FedfeatError(
+            f"cannot read partition file {path}: {e}; pass a file written by --export"
+        ) from None

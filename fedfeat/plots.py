@@ -1,0 +1,60 @@
+"""Figures (matplotlib, headless ``Agg``): partition heatmaps and accuracy-vs-round curves."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: str | Path) -> None:
+    """Write atomically: a half-written PNG never sits at ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.png")
+    fig.savefig(tmp, dpi=130, bbox_inches="tight")
+    os.replace(tmp, path)
+
+
+def plot_partition_heatmap(counts: np.ndarray, class_names: list[str], path: str | Path, title: str = "") -> None:
+    """Client x class sample-count heatmap (``counts  # [clients, classes]``)."""
+    plt = _plt()
+    C, K = counts.shape
+    fig, ax = plt.subplots(figsize=(min(2 + 0.35 * K, 14), min(2 + 0.12 * C, 12)))
+    im = ax.imshow(counts, aspect="auto", cmap="viridis", interpolation="nearest")
+    ax.set_xlabel("class")
+    ax.set_ylabel("client")
+    if K <= 30:
+        ax.set_xticks(range(K), [n[:12] for n in class_names], rotation=60, ha="right", fontsize=7)
+    ax.set_title(title or "samples per client and class")
+    fig.colorbar(im, ax=ax, label="samples")
+    _save(fig, path)
+    plt.close(fig)
+
+
+def plot_curves(curves: dict[str, tuple[list[int], list[float]]], path: str | Path, title: str = "",
+                ylabel: str = "test accuracy (%)") -> None:
+    """One line per run: ``curves[label] = (rounds, values)``."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, (xs, ys) in curves.items():
+        ax.plot(xs, ys, marker="o" if len(xs) <= 30 else None, markersize=3, label=label)
+    ax.set_xlabel("round")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if title:
+        ax.set_title(title)
+    if len(curves) > 1:
+        ax.legend(fontsize=7, loc="best")
+    _save(fig, path)
+    plt.close(fig)
