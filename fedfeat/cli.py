@@ -13,6 +13,7 @@ from typer.core import TyperGroup
 
 from fedfeat.errors import FedfeatError
 
+
 class _Group(TyperGroup):
     """Prints a ``FedfeatError`` from any subcommand as one line and exits with status 2."""
 
@@ -92,7 +93,9 @@ def partition(
     ),
     split: str = typer.Option("train", help="Split to partition."),
     stats: bool = typer.Option(False, "--stats", help="Print per-client sample and class counts."),
-    export: Optional[Path] = typer.Option(None, "--export", help="Write each client's sample indices to JSON."),
+    export: Optional[Path] = typer.Option(
+        None, "--export", help="Write each client's sample indices to JSON."
+    ),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Draw the client x class count heatmap (PNG)."),
     save: bool = typer.Option(True, help="Store the partition under the store's partitions/ (for reuse)."),
 ) -> None:

@@ -26,7 +26,9 @@ def _save(fig, path: str | Path) -> None:
     os.replace(tmp, path)
 
 
-def plot_partition_heatmap(counts: np.ndarray, class_names: list[str], path: str | Path, title: str = "") -> None:
+def plot_partition_heatmap(
+    counts: np.ndarray, class_names: list[str], path: str | Path, title: str = ""
+) -> None:
     """Client x class sample-count heatmap (``counts  # [clients, classes]``)."""
     plt = _plt()
     C, K = counts.shape
@@ -42,8 +44,12 @@ def plot_partition_heatmap(counts: np.ndarray, class_names: list[str], path: str
     plt.close(fig)
 
 
-def plot_curves(curves: dict[str, tuple[list[int], list[float]]], path: str | Path, title: str = "",
-                ylabel: str = "test accuracy (%)") -> None:
+def plot_curves(
+    curves: dict[str, tuple[list[int], list[float]]],
+    path: str | Path,
+    title: str = "",
+    ylabel: str = "test accuracy (%)",
+) -> None:
     """One line per run: ``curves[label] = (rounds, values)``."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))

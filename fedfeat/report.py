@@ -40,7 +40,9 @@ def print_store_info(path: str | Path, *, as_json: bool = False) -> None:
     t = Table(title=f"store {st.path}", show_header=False, title_justify="left")
     t.add_column("key", style="bold")
     t.add_column("value")
-    status = "complete" if st.complete else "[red]INCOMPLETE[/red] (resume with the same `fedfeat encode` command)"
+    status = (
+        "complete" if st.complete else "[red]INCOMPLETE[/red] (resume with the same `fedfeat encode` command)"
+    )
     t.add_row("status", status)
     t.add_row("format version", str(a["format_version"]))
     t.add_row("backbone / weights", f"{a['backbone']} / {a['pretrained']}")
@@ -48,10 +50,15 @@ def print_store_info(path: str | Path, *, as_json: bool = False) -> None:
     names = a["class_names"]
     shown = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
     t.add_row("classes", f"{len(names)}: {shown}")
-    t.add_row("templates", f"{len(a['templates'])}: {a['templates'][0]!r}" + (", ..." if len(a["templates"]) > 1 else ""))
+    t.add_row(
+        "templates",
+        f"{len(a['templates'])}: {a['templates'][0]!r}" + (", ..." if len(a["templates"]) > 1 else ""),
+    )
     for split, n in a["splits"].items():
         done = st.done_chunks(split)
-        t.add_row(f"split {split}", f"{n} x {a['embed_dim']} float16, {int(done.sum())}/{len(done)} chunks written")
+        t.add_row(
+            f"split {split}", f"{n} x {a['embed_dim']} float16, {int(done.sum())}/{len(done)} chunks written"
+        )
     t.add_row("fingerprint", a.get("fingerprint_hash", "?"))
     t.add_row("size on disk", _human_bytes(summ["bytes_on_disk"]))
     if "synthetic_stats" in a:
@@ -64,7 +71,9 @@ def print_store_info(path: str | Path, *, as_json: bool = False) -> None:
         for col in ("key", "scheme", "split", "clients", "samples", "seed"):
             pt.add_column(col)
         for k, p in parts.items():
-            pt.add_row(k, p["scheme"], p["split"], str(p["clients"]), str(p["samples"]), str(p["params"].get("seed")))
+            pt.add_row(
+                k, p["scheme"], p["split"], str(p["clients"]), str(p["samples"]), str(p["params"].get("seed"))
+            )
         con.print(pt)
     else:
         con.print("partitions: none stored (make one with `fedfeat partition`)")

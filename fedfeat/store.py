@@ -156,7 +156,9 @@ class FeatureStore:
             )
             la = sg.create_array("labels", shape=(n,), chunks=(max(n, 1),), dtype="int64", fill_value=-1)
             la[:] = lab
-            sg.create_array("done", shape=(math.ceil(n / chunk_rows),), chunks=(1,), dtype="uint8", fill_value=0)
+            sg.create_array(
+                "done", shape=(math.ceil(n / chunk_rows),), chunks=(1,), dtype="uint8", fill_value=0
+            )
         tg = g.require_group("text")
         tg.create_array(
             "features",
@@ -168,7 +170,9 @@ class FeatureStore:
         )
         tg.create_array("done", shape=(1,), chunks=(1,), dtype="uint8", fill_value=0)
         g.require_group("partitions")
-        g.attrs.update(attrs)  # attributes last: a half-created store has no format_version and is "not a store"
+        g.attrs.update(
+            attrs
+        )  # attributes last: a half-created store has no format_version and is "not a store"
         return cls(path, g)
 
     @classmethod
@@ -271,7 +275,9 @@ class FeatureStore:
         sl = self.chunk_slice(split, i)
         feats = np.asarray(feats)
         if feats.shape != (sl.stop - sl.start, self.embed_dim):
-            raise ValueError(f"chunk {i} of {split} needs shape {(sl.stop - sl.start, self.embed_dim)}, got {feats.shape}")
+            raise ValueError(
+                f"chunk {i} of {split} needs shape {(sl.stop - sl.start, self.embed_dim)}, got {feats.shape}"
+            )
         self._g[f"{split}/features"][sl] = feats.astype(np.float16)
         self._g[f"{split}/done"][i] = 1
 
@@ -344,7 +350,9 @@ class FeatureStore:
         kg["order"][:] = order
         kg.create_array("offsets", shape=offsets.shape, chunks=(len(offsets),), dtype="int64", fill_value=0)
         kg["offsets"][:] = offsets
-        kg.attrs.update({"scheme": partition.scheme, "params": partition.params, "split": split, "complete": True})
+        kg.attrs.update(
+            {"scheme": partition.scheme, "params": partition.params, "split": split, "complete": True}
+        )
         return key
 
     def partition_keys(self) -> list[str]:

@@ -153,7 +153,12 @@ def synthetic_stats(train_x, train_y, test_x, test_y, text, probe_steps: int = 1
 
 
 def write_synthetic_store(
-    out: str | Path, params: SynthParams = SynthParams(), *, force: bool = False, stats: bool = True, log=print
+    out: str | Path,
+    params: SynthParams = SynthParams(),
+    *,
+    force: bool = False,
+    stats: bool = True,
+    log=print,
 ) -> FeatureStore:
     """Write a synthetic store at ``out`` (deterministic from ``params.seed``).
 
@@ -183,9 +188,13 @@ def write_synthetic_store(
                 log(f"{out}: a complete synthetic store with these parameters exists; nothing to do")
                 return st
             if st.complete and not force:
-                raise FedfeatError(f"{out} holds a different store; pass --force to replace it, or choose --out")
+                raise FedfeatError(
+                    f"{out} holds a different store; pass --force to replace it, or choose --out"
+                )
         elif not force:
-            raise FedfeatError(f"{out} exists and is not a fedfeat store; pass --force to replace it, or choose --out")
+            raise FedfeatError(
+                f"{out} exists and is not a fedfeat store; pass --force to replace it, or choose --out"
+            )
         force = True
     gen = SyntheticGenerator(p)
     rng = np.random.RandomState(p.seed)  # dataset order is shuffled, as in real datasets
@@ -194,7 +203,10 @@ def write_synthetic_store(
         "test": rng.permutation(np.repeat(np.arange(p.classes), p.test_per_class)),
     }
     names = CIFAR10_CLASSES if p.classes == 10 else [f"class {k}" for k in range(p.classes)]
-    templates = [CIFAR_TEMPLATES[j] if j < len(CIFAR_TEMPLATES) else f"template {j} of a {{}}." for j in range(p.templates)]
+    templates = [
+        CIFAR_TEMPLATES[j] if j < len(CIFAR_TEMPLATES) else f"template {j} of a {{}}."
+        for j in range(p.templates)
+    ]
     st = FeatureStore.create(
         out,
         backbone="synthetic",

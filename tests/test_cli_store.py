@@ -89,4 +89,6 @@ def test_synth_deterministic_via_cli(store, tmp_path):
          "--templates", "2", "--no-stats"],
     )  # fmt: skip
     assert r.exit_code == 0
-    np.testing.assert_array_equal(FeatureStore.open(store).features("test"), FeatureStore.open(out2).features("test"))
+    np.testing.assert_array_equal(
+        FeatureStore.open(store).features("test"), FeatureStore.open(out2).features("test")
+    )
