@@ -45,9 +45,16 @@ format: install ## ruff: fix lint and format in place
 synth: install ## build the synthetic CIFAR-10-shaped store at $(STORE) if missing
 	$(PY) -m fedfeat synth --out $(STORE)
 
-demo: synth ## the main job on the built-in default: synthetic store, partitions, methods, report table
-	$(PY) -m fedfeat info $(STORE)
-	$(PY) -m fedfeat partition $(STORE) --scheme dirichlet --alpha 0.1 --clients 100 --stats
+DEMO_RUNS ?= runs/demo
+DEMO_PARTITIONS := "--partition dirichlet --alpha 0.1" "--partition shard --shards 2"
+DEMO_METHODS := "zeroshot" "fedavg" "fedntd" "fst-cbdg" "fst-cbdg --set self_training=false" "fst-cbdg --set sampling=false"
+
+demo: synth ## the main job on the built-in default: synthetic store, FST-CBDG vs baselines, report table
+	@rm -rf $(DEMO_RUNS)
+	@for part in $(DEMO_PARTITIONS); do for m in $(DEMO_METHODS); do \
+	  $(PY) -m fedfeat train --store $(STORE) --method $$m $$part --clients 100 --participation 0.1 \
+	    --rounds 10 --seed 0 --out $(DEMO_RUNS) || exit 1; done; done
+	$(PY) -m fedfeat report $(DEMO_RUNS) --plot $(DEMO_RUNS)/curves.png | tee $(DEMO_RUNS)/table.md
 
 bench: install ## run bench/ and write BENCHMARKS.md
 	$(PY) bench/run_all.py

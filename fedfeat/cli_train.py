@@ -1,0 +1,116 @@
+"""CLI commands of stage 2: ``train``, ``methods``, ``report``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def train(
+        method: Optional[str] = typer.Option(
+            None, help="Method name (see `fedfeat methods`). Default fst-cbdg."
+        ),
+        store: Optional[Path] = typer.Option(None, help="Feature store. Default cache/synth-cifar10.zarr."),
+        partition: Optional[str] = typer.Option(
+            None, help="Partition scheme, as `fedfeat partition --scheme`. Default dirichlet."
+        ),
+        alpha: Optional[float] = typer.Option(
+            None, help="Dirichlet alpha (default 0.1; 0.5 for dirichlet-equal)."
+        ),
+        shards: Optional[int] = typer.Option(
+            None, help="Shards per client for --partition shard (default 2)."
+        ),
+        imbalance_factor: Optional[float] = typer.Option(
+            None, help="Long-tail the training split first (e.g. 100), as in CLIP2FL."
+        ),
+        partition_seed: Optional[int] = typer.Option(
+            None,
+            help="Partition seed (default FedNTD's 19940817, or CLIP2FL's 7 for dirichlet-equal/longtail).",
+        ),
+        clients: Optional[int] = typer.Option(None, help="Number of clients. Default 100."),
+        participation: Optional[float] = typer.Option(
+            None, help="Fraction of clients per round; max(1, int(p * clients)) are sampled. Default 0.1."
+        ),
+        rounds: Optional[int] = typer.Option(None, help="Communication rounds. Default 10."),
+        seed: Optional[int] = typer.Option(
+            None, help="Run seed (client sampling, shuffles, synthetic draws)."
+        ),
+        engine: Optional[str] = typer.Option(
+            None,
+            help="batched (all sampled clients at once) or loop (one client after another). Default batched.",
+        ),
+        device: Optional[str] = typer.Option(None, help="auto, cpu or cuda. Default auto."),
+        set_: Optional[list[str]] = typer.Option(
+            None,
+            "--set",
+            help="Method hyperparameter key=value (repeatable); unknown keys list the valid ones.",
+        ),
+        config: Optional[Path] = typer.Option(
+            None, help="A run's config.toml to replay (flags override it)."
+        ),
+        out: Optional[Path] = typer.Option(None, help="Parent directory of run directories. Default runs/."),
+        name: Optional[str] = typer.Option(
+            None, help="Run directory name (default: method, settings, partition)."
+        ),
+        shot_thresholds: Optional[str] = typer.Option(
+            None, help="'many,few' training counts for many/medium/few accuracy, e.g. 1500,200 (CIFAR-10-LT)."
+        ),
+        quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+    ) -> None:
+        """Train a method federatedly on a store's cached features; writes a run directory."""
+        from fedfeat.runs import resolve_config
+        from fedfeat.runs import train as run_train
+
+        cli = {
+            "method": method,
+            "store": str(store) if store else None,
+            "partition": partition,
+            "alpha": alpha,
+            "shards": shards,
+            "imbalance_factor": imbalance_factor,
+            "partition_seed": partition_seed,
+            "clients": clients,
+            "participation": participation,
+            "rounds": rounds,
+            "seed": seed,
+            "engine": engine,
+            "device": device,
+            "out": str(out) if out else None,
+            "name": name,
+            "shot_thresholds": shot_thresholds,
+        }
+        cfg = resolve_config(cli, config, set_)
+        run_train(cfg, progress=not quiet, log=typer.echo)
+
+    @app.command()
+    def methods() -> None:
+        """List the registered methods, whether they read labels, what they run on, and their defaults."""
+        from rich.console import Console
+        from rich.table import Table
+
+        from fedfeat.methods import method_table
+
+        t = Table(title="methods", show_lines=True)
+        for c in ("name", "labels", "runs on", "what", "defaults (--set key=value)"):
+            t.add_column(c, overflow="fold")
+        for r in method_table():
+            d = " ".join(f"{k}={v}" for k, v in r["defaults"].items())
+            t.add_row(r["name"], r["labels"], r["runs_on"], r["summary"], d)
+        Console(width=160).print(t)
+
+    @app.command()
+    def report(
+        runs: list[Path] = typer.Argument(..., help="Run directories (or parents of run directories)."),
+        fmt: str = typer.Option("markdown", "--format", help="markdown or csv."),
+        plot: Optional[Path] = typer.Option(None, help="Draw every run's accuracy curve into this PNG."),
+    ) -> None:
+        """Compare finished runs: a table (markdown/CSV) and one plot with all curves."""
+        from fedfeat.runs import report as make_report
+
+        typer.echo(make_report(runs, fmt=fmt, plot=plot))
+        if plot is not None:
+            typer.echo(f"plot: {plot}")

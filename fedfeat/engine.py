@@ -1,0 +1,405 @@
+"""The federated engine: all sampled clients' local updates of a round as one batched tensor program.
+
+Data layout. The split's features are put on the device once, in **client-major order** (client i holds rows
+``offsets[i]:offsets[i+1]``), L2-normalised if the method asks. A round:
+
+1. samples ``max(1, int(participation * clients))`` clients (FedNTD's convention) from a stream keyed by
+   (seed, round);
+2. orders them by descending number of local steps, so that at every step the clients still training are a
+   prefix ``[:n]`` of the client axis (no padding for clients that are done; ragged last batches carry a mask);
+3. per local epoch, shuffles each client's samples with counter-based keys (``fedfeat.rng``): the order is a
+   function of (seed, round, epoch, sample position) only, so it does not depend on the engine or on which
+   other clients were sampled;
+4. per step, gathers the active clients' mini-batches into a preallocated ``[n, B, D]`` buffer and runs
+   the method's loss for all of them at once (per-client weights ``[n, K, D]``, ``bmm``), one autograd call,
+   one batched optimizer step;
+5. aggregates (FedAvg weighted by client sample counts unless the method says otherwise), applies the
+   method's server step, evaluates on the test split.
+
+``engine="loop"`` runs the same method one client after another (client axis of size 1, the client's own
+steps only), as the papers' code does: it is the oracle the batched engine is tested against.
+
+Methods that never read labels get a ``Batch`` whose ``y`` raises ``LabelAccessError`` (structural, not a
+convention): the engine does not even hold the training labels in the method's context.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fedfeat import rng
+from fedfeat.errors import FedfeatError
+
+
+class LabelAccessError(RuntimeError):
+    """An unlabelled method tried to read training labels."""
+
+
+@dataclass
+class Batch:
+    """One local step's mini-batches of the ``n`` active clients."""
+
+    x: torch.Tensor  # [n, B, D] features (rows past a client's batch are padding)
+    mask: torch.Tensor  # [n, B] bool, True for real samples
+    pos: torch.Tensor  # [n, B] int64 client-major positions of the samples (padding: 0)
+    n: int  # active clients: the first n of the round's client axis
+    epoch: int
+    step: int
+    _y: torch.Tensor | None = None  # [n, B] labels, only for methods that use labels
+
+    @property
+    def y(self) -> torch.Tensor:
+        if self._y is None:
+            raise LabelAccessError("this method is declared label-free and may not read training labels")
+        return self._y
+
+    @property
+    def count(self) -> torch.Tensor:
+        """``[n]`` real samples per client in this batch (as float)."""
+        return self.mask.sum(1).to(self.x.dtype)
+
+
+def masked_mean(v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-client mean of ``v  # [n, B]`` over real samples -> ``[n]`` (0 where a client has none)."""
+    m = mask.to(v.dtype)
+    return (v * m).sum(1) / m.sum(1).clamp_min(1)
+
+
+@dataclass
+class Context:
+    """What a method sees of the data. ``labels`` is None for label-free methods."""
+
+    device: torch.device
+    feats: torch.Tensor  # [N, D] training features, client-major, normalised as the method asked
+    offsets: torch.Tensor  # [clients + 1] int64 (cpu)
+    text: torch.Tensor  # [K, D] class text embeddings (normalised, template choice applied)
+    text_all: torch.Tensor  # [T, K, D] every template's embeddings (normalised)
+    test_x: torch.Tensor  # [N_test, D]
+    clip_logit_scale: float  # the encoder's own logit scale (CLIP: 100)
+    seed: int
+    n_clients: int
+    labels: torch.Tensor | None = None  # [N] client-major training labels, None for label-free methods
+    train_counts: torch.Tensor | None = None  # [K] training samples per class (labelled methods only)
+    state: dict = field(default_factory=dict)  # persistent method state (per-sample / per-client tensors)
+
+    @property
+    def K(self) -> int:
+        return self.text.shape[0]
+
+    @property
+    def D(self) -> int:
+        return self.text.shape[1]
+
+    def sizes(self, clients: torch.Tensor) -> torch.Tensor:
+        """``[m]`` sample counts of the given clients."""
+        o = self.offsets
+        return o[clients + 1] - o[clients]
+
+
+@dataclass
+class RoundPlan:
+    """The clients of one round in engine order and their step counts."""
+
+    rnd: int
+    clients: torch.Tensor  # [m] client ids, ordered by descending steps per epoch
+    sizes: torch.Tensor  # [m] samples per client
+    steps: torch.Tensor  # [m] local steps per epoch
+    batch_size: int
+    epochs: int
+
+    @property
+    def m(self) -> int:
+        return len(self.clients)
+
+    def active(self, step: int) -> int:
+        """Clients still training at ``step`` of an epoch (a prefix of the client axis)."""
+        return int((self.steps > step).sum())
+
+
+def sample_clients(seed: int, rnd: int, n_clients: int, participation: float) -> np.ndarray:
+    """``max(1, int(participation * n_clients))`` distinct clients, from a stream keyed by (seed, round)."""
+    m = max(1, int(participation * n_clients))
+    if m >= n_clients:
+        return np.arange(n_clients)
+    return np.sort(rng.numpy_rng(seed, rnd, rng.TAG_SAMPLE_CLIENTS).choice(n_clients, m, replace=False))
+
+
+def make_plan(ctx: Context, rnd: int, clients: np.ndarray, batch_size: int, epochs: int) -> RoundPlan:
+    c = torch.as_tensor(np.asarray(clients), dtype=torch.int64)
+    sizes = ctx.sizes(c)
+    steps = (sizes + batch_size - 1) // batch_size
+    order = torch.argsort(-steps, stable=True)
+    return RoundPlan(rnd, c[order], sizes[order], steps[order], batch_size, epochs)
+
+
+def epoch_tables(ctx: Context, plan: RoundPlan, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shuffled mini-batch positions for one epoch: ``idx  # [S, m, B]`` (int64) and ``mask  # [S, m, B]``.
+
+    Client j's samples are sorted by a counter-based key of (seed, round, epoch, position); its r-th sample
+    in that order goes to step ``r // B``, slot ``r % B`` (the last batch is smaller: ``drop_last=False``).
+    """
+    B = plan.batch_size
+    starts = ctx.offsets[plan.clients]  # [m]
+    sizes = plan.sizes
+    seg = torch.repeat_interleave(torch.arange(plan.m), sizes)  # [M] client slot of each item
+    local = torch.arange(int(sizes.sum())) - torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
+    pos = starts[seg] + local  # [M] client-major positions
+    key = rng.uniform_keys(rng.stream_key(ctx.seed, plan.rnd, epoch, rng.TAG_SHUFFLE), pos)
+    # sort by (segment, key): segment-major composite sort, keys are < 2^62 so sort keys then stable by seg
+    o1 = torch.argsort(key, stable=True)
+    o2 = torch.argsort(seg[o1], stable=True)
+    perm = o1[o2]  # items grouped by client, shuffled within client
+    pos_sorted = pos[perm]
+    rank = local  # after grouping, the r-th item of segment j sits at offset start_j + r
+    S = int(plan.steps.max()) if plan.m else 0
+    idx = torch.zeros(S, plan.m, B, dtype=torch.int64)
+    mask = torch.zeros(S, plan.m, B, dtype=torch.bool)
+    idx[rank // B, seg, rank % B] = pos_sorted
+    mask[rank // B, seg, rank % B] = True
+    return idx, mask
+
+
+def run_local(
+    method,
+    ctx: Context,
+    plan: RoundPlan,
+    glob: dict[str, torch.Tensor],
+    rows: slice | None = None,
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """Local update of the plan's clients ``rows`` (default all) as one batched program.
+
+    Returns the clients' final parameters ``{name: [m, ...]}`` and a few statistics.
+    """
+    if rows is not None:
+        plan = RoundPlan(
+            plan.rnd, plan.clients[rows], plan.sizes[rows], plan.steps[rows], plan.batch_size, plan.epochs
+        )
+    m = plan.m
+    params = {k: v.detach().unsqueeze(0).repeat(m, *([1] * v.dim())).contiguous() for k, v in glob.items()}
+    opt = method.make_optimizer(plan.rnd)
+    opt.reset(params)
+    local = method.local_begin(ctx, plan, glob)
+    labels = ctx.labels
+    D = ctx.feats.shape[1]
+    xbuf = torch.empty(m * plan.batch_size, D, dtype=ctx.feats.dtype, device=ctx.device)
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    loss_n = 0
+    for epoch in range(plan.epochs):
+        idx, mask = epoch_tables(ctx, plan, epoch)
+        idx, mask = idx.to(ctx.device), mask.to(ctx.device)
+        method.epoch_begin(ctx, plan, local, epoch)
+        for s in range(idx.shape[0]):
+            n = plan.active(s)
+            B = plan.batch_size
+            ib = idx[s, :n]  # [n, B]
+            x = torch.index_select(ctx.feats, 0, ib.reshape(-1), out=xbuf[: n * B]).view(n, B, D)
+            batch = Batch(x, mask[s, :n], ib, n, epoch, s, labels[ib] if labels is not None else None)
+            p = {k: v[:n].detach().requires_grad_(True) for k, v in params.items()}
+            loss = method.step_loss(ctx, p, batch, local)  # [n]
+            names = list(p)
+            grads = torch.autograd.grad(loss.sum(), [p[k] for k in names])
+            opt.step(params, dict(zip(names, grads)), n)
+            loss_sum += loss.detach().double().sum().cpu()
+            loss_n += n
+    method.local_end(ctx, plan, local, params)
+    return params, {"loss_sum": float(loss_sum), "loss_steps": loss_n}
+
+
+def fedavg(params: dict[str, torch.Tensor], weights: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Weighted average over the client axis (``weights  # [m]``, normalised here)."""
+    w = weights.to(next(iter(params.values())).dtype)
+    w = w / w.sum()
+    return {k: torch.tensordot(w, v, dims=1) for k, v in params.items()}
+
+
+def param_bytes(params: dict[str, torch.Tensor]) -> int:
+    return int(sum(v.numel() * v.element_size() for v in params.values()))
+
+
+@dataclass
+class RunData:
+    """Everything a run reads from the store, loaded once."""
+
+    train_x: torch.Tensor  # [N, D] client-major (float32, on device)
+    train_y: torch.Tensor  # [N] client-major labels (kept by the engine; handed only to labelled methods)
+    offsets: torch.Tensor  # [clients+1]
+    test_x: torch.Tensor  # [Nt, D]
+    test_y: torch.Tensor  # [Nt]
+    text_all: torch.Tensor  # [T, K, D] raw
+    clip_logit_scale: float
+    class_names: list[str]
+    train_counts: torch.Tensor  # [K] counts over the partition's samples
+
+
+def _normalize(x: torch.Tensor) -> torch.Tensor:
+    return F.normalize(x, dim=-1)
+
+
+def build_context(data: RunData, method, seed: int, device: torch.device) -> Context:
+    p = method.p
+    norm = getattr(p, "normalize", True)
+    text_all = _normalize(data.text_all.to(data.train_x.dtype))
+    tmpl = getattr(p, "templates", "first")
+    if tmpl == "first":
+        text = text_all[0]
+    elif tmpl == "ensemble":
+        text = _normalize(text_all.mean(0))
+    else:
+        raise FedfeatError(f"templates must be 'first' or 'ensemble', got {tmpl!r}")
+    ctx = Context(
+        device=device,
+        feats=_normalize(data.train_x) if norm else data.train_x,
+        offsets=data.offsets,
+        text=text.to(device),
+        text_all=text_all.to(device),
+        test_x=_normalize(data.test_x) if norm else data.test_x,
+        clip_logit_scale=data.clip_logit_scale,
+        seed=seed,
+        n_clients=len(data.offsets) - 1,
+        labels=data.train_y if method.uses_labels else None,
+        train_counts=data.train_counts if method.uses_labels else None,
+    )
+    return ctx
+
+
+@torch.no_grad()
+def evaluate(method, ctx: Context, glob: dict, test_y: torch.Tensor, n_classes: int) -> dict:
+    logits = method.predict(ctx, glob, ctx.test_x)
+    pred = logits.argmax(1)
+    correct = (pred == test_y).to(torch.float64)
+    per_class = torch.zeros(n_classes, dtype=torch.float64).index_add_(0, test_y, correct)
+    cnt = torch.bincount(test_y, minlength=n_classes).to(torch.float64)
+    pc = (per_class / cnt.clamp_min(1)).tolist()
+    return {"acc": float(correct.mean()) * 100, "per_class_acc": [100 * v for v in pc], "pred": pred}
+
+
+def run_federated(
+    method,
+    data: RunData,
+    *,
+    rounds: int,
+    participation: float,
+    seed: int,
+    engine: str = "batched",
+    device: torch.device | str = "cpu",
+    on_round: Callable[[dict], None] | None = None,
+) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """Run ``rounds`` federated rounds of ``method``; returns the final global parameters and the
+    per-round metrics (round 0 is the evaluation before any training)."""
+    if engine not in ("batched", "loop"):
+        raise FedfeatError(f"unknown engine '{engine}'; choose batched or loop")
+    if not 0 < participation <= 1:
+        raise FedfeatError(f"--participation must be in (0, 1], got {participation}")
+    device = torch.device(device)
+    ctx = build_context(data, method, seed, device)
+    K = len(data.class_names)
+    method.setup(ctx)
+    glob = method.init_global(ctx)
+    metrics: list[dict] = []
+
+    def record(rnd: int, t0: float, extra: dict) -> None:
+        ev = evaluate(method, ctx, glob, data.test_y, K)
+        row = {"round": rnd, "test_acc": ev["acc"], "per_class_acc": ev["per_class_acc"], **extra}
+        row.update(method.round_metrics(ctx, data, glob, ev))
+        row["seconds"] = time.perf_counter() - t0
+        metrics.append(row)
+        if on_round:
+            on_round(row)
+
+    t0 = time.perf_counter()
+    record(0, t0, {"clients": [], "train_loss": None, "bytes_up": 0, "bytes_down": 0})
+    total_rounds = rounds if method.federated else 0
+    for rnd in range(1, total_rounds + 1):
+        t0 = time.perf_counter()
+        clients = method.sample(ctx, rnd, participation)
+        plan = make_plan(ctx, rnd, clients, method.p.batch_size, method.p.local_epochs)
+        if engine == "batched":
+            cparams, st = run_local(method, ctx, plan, glob)
+        else:
+            outs = [run_local(method, ctx, plan, glob, rows=slice(j, j + 1)) for j in range(plan.m)]
+            cparams = {k: torch.cat([o[0][k] for o in outs]) for k in outs[0][0]}
+            st = {
+                "loss_sum": sum(o[1]["loss_sum"] for o in outs),
+                "loss_steps": sum(o[1]["loss_steps"] for o in outs),
+            }
+        new = method.aggregate(ctx, plan, glob, cparams)
+        glob = method.server_update(ctx, plan, glob, new)
+        up = method.upload_bytes(ctx, plan, cparams)
+        down = plan.m * param_bytes(method.broadcast(glob))
+        record(
+            rnd,
+            t0,
+            {
+                "clients": plan.clients.sort().values.tolist(),
+                "train_loss": st["loss_sum"] / max(st["loss_steps"], 1),
+                "bytes_up": up,
+                "bytes_down": down,
+            },
+        )
+    return glob, metrics
+
+
+def client_major(order: np.ndarray, arr: np.ndarray) -> np.ndarray:
+    return arr[order]
+
+
+def load_run_data(
+    store, partition, *, device="cpu", centralized: bool = False, dtype=torch.float32
+) -> RunData:
+    """Load a store's train (in the partition's client-major order) and test splits onto ``device``.
+
+    ``dtype`` float32 by default (stored float16 is upcast: never compute in float16 on a CPU); float64 is
+    for exactness checks (the engines agree to ~1e-12 there)."""
+    order, offsets = partition.order_and_offsets()
+    if centralized:
+        offsets = np.array([0, len(order)], dtype=np.int64)
+    feats = store.features("train")
+    labels = store.labels("train")
+    x = torch.from_numpy(feats[order]).to(device=device, dtype=dtype)
+    y = torch.from_numpy(labels[order]).to(device)
+    K = store.n_classes
+    tx = torch.from_numpy(store.features("test")).to(device=device, dtype=dtype)
+    ty_np = store.labels("test")
+    keep = ty_np >= 0
+    return RunData(
+        train_x=x,
+        train_y=y,
+        offsets=torch.from_numpy(offsets.astype(np.int64)),
+        test_x=tx[torch.from_numpy(keep)] if not keep.all() else tx,
+        test_y=torch.from_numpy(ty_np[keep]).to(device),
+        text_all=torch.from_numpy(store.text_features()).to(device=device, dtype=dtype),
+        clip_logit_scale=store.logit_scale,
+        class_names=store.class_names,
+        train_counts=torch.bincount(y.cpu(), minlength=K),
+    )
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise FedfeatError("--device cuda asked for, but torch sees no CUDA device; use --device cpu or auto")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise FedfeatError(f"unknown device '{name}'; choose auto, cpu or cuda")
+    return torch.device(name)
+
+
+__all__ = [
+    "Batch",
+    "Context",
+    "LabelAccessError",
+    "RoundPlan",
+    "RunData",
+    "fedavg",
+    "load_run_data",
+    "masked_mean",
+    "run_federated",
+    "math",
+]

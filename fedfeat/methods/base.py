@@ -1,0 +1,181 @@
+"""The method interface and the registry."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fedfeat.engine import Context, RoundPlan, fedavg, param_bytes, sample_clients
+from fedfeat.errors import FedfeatError
+from fedfeat.optim import BatchedSGD
+
+REGISTRY: dict[str, type[Method]] = {}
+
+
+def register(cls):
+    """Class decorator: add a method to the registry under ``cls.name``."""
+    if cls.name in REGISTRY:
+        raise RuntimeError(f"method {cls.name} registered twice")
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def _coerce(field: dataclasses.Field, value, hints: dict):
+    """Parse a ``--set key=value`` string (or a TOML value) into the field's type."""
+    typ = hints.get(field.name, field.type)
+    if not isinstance(value, str):
+        return value
+    origin = typing.get_origin(typ)
+    args = [a for a in typing.get_args(typ) if a is not type(None)]
+    if origin is typing.Union or str(origin) == "types.UnionType":
+        typ = args[0] if args else str
+        if value.lower() in ("none", "null"):
+            return None
+    if typ is bool:
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(value)
+    if typ in (int, float, str):
+        return typ(value)
+    if typing.get_origin(typ) is typing.Literal:
+        if value not in typing.get_args(typ):
+            raise ValueError(value)
+        return value
+    return value
+
+
+def make_params(cls: type[Method], overrides: dict) -> object:
+    P = cls.Params
+    fields = {f.name: f for f in dataclasses.fields(P)}
+    hints = typing.get_type_hints(P)
+    kw = {}
+    for k, v in overrides.items():
+        key = k.replace("-", "_")
+        if key not in fields:
+            raise FedfeatError(
+                f"method {cls.name} has no hyperparameter '{k}'; valid keys: {', '.join(sorted(fields))}"
+            )
+        try:
+            kw[key] = _coerce(fields[key], v, hints)
+        except (TypeError, ValueError):
+            raise FedfeatError(
+                f"bad value {v!r} for {cls.name}.{key} (expected {hints.get(key, fields[key].type)})"
+            ) from None
+    p = P(**kw)
+    if hasattr(p, "validate"):
+        p.validate()
+    return p
+
+
+def get_method(name: str, overrides: dict | None = None) -> Method:
+    """Instantiate a registered method with hyperparameter overrides (strings are parsed)."""
+    if name not in REGISTRY:
+        raise FedfeatError(f"unknown method '{name}'; known methods: {', '.join(REGISTRY)}")
+    cls = REGISTRY[name]
+    return cls(make_params(cls, overrides or {}))
+
+
+def method_table() -> list[dict]:
+    """Name, description, label use, runs-on and defaults of every registered method."""
+    rows = []
+    for name, cls in REGISTRY.items():
+        rows.append(
+            {
+                "name": name,
+                "summary": (cls.__doc__ or "").strip().splitlines()[0],
+                "labels": "yes" if cls.uses_labels else "no",
+                "runs_on": cls.runs_on,
+                "defaults": dataclasses.asdict(cls.Params()),
+            }
+        )
+    return rows
+
+
+@dataclass(frozen=True)
+class NoParams:
+    batch_size: int = 1
+    local_epochs: int = 1
+
+
+class Method:
+    """Base class. A method's hooks, in the order the engine calls them:
+
+    ``setup(ctx)`` once; ``init_global(ctx) -> {name: tensor}`` the server's initial parameters; per round
+    ``sample`` the clients, ``local_begin(ctx, plan, glob) -> local`` (per-round client context), per local
+    epoch ``epoch_begin``, per step ``step_loss(ctx, params, batch, local) -> [n]`` (per-client loss; the
+    engine differentiates it and steps the batched optimizer), ``local_end``; then ``aggregate``,
+    ``server_update``, and ``predict`` for evaluation.
+    """
+
+    name = ""
+    Params = NoParams
+    uses_labels = True
+    runs_on = "cache"
+    federated = True  # False: evaluated once, no rounds (zero-shot)
+
+    def __init__(self, params):
+        self.p = params
+
+    # ---- server side
+    def setup(self, ctx: Context) -> None:
+        pass
+
+    def init_global(self, ctx: Context) -> dict[str, torch.Tensor]:
+        return {}
+
+    def sample(self, ctx: Context, rnd: int, participation: float) -> np.ndarray:
+        return sample_clients(ctx.seed, rnd, ctx.n_clients, participation)
+
+    def make_optimizer(self, rnd: int):
+        p = self.p
+        lr = p.lr * (getattr(p, "lr_decay", 1.0) ** (rnd - 1))
+        return BatchedSGD(
+            lr=lr, momentum=getattr(p, "momentum", 0.0), weight_decay=getattr(p, "weight_decay", 0.0)
+        )
+
+    def aggregate(self, ctx: Context, plan: RoundPlan, glob: dict, cparams: dict) -> dict:
+        """FedAvg weighted by client sample counts."""
+        return fedavg(cparams, plan.sizes.to(ctx.device))
+
+    def server_update(self, ctx: Context, plan: RoundPlan, old: dict, new: dict) -> dict:
+        return new
+
+    def broadcast(self, glob: dict) -> dict:
+        """What the server sends each client (for the bytes-down count)."""
+        return glob
+
+    def upload_bytes(self, ctx: Context, plan: RoundPlan, cparams: dict) -> int:
+        return int(sum(v.numel() * v.element_size() for v in cparams.values()))
+
+    # ---- client side
+    def local_begin(self, ctx: Context, plan: RoundPlan, glob: dict) -> dict:
+        return {}
+
+    def epoch_begin(self, ctx: Context, plan: RoundPlan, local: dict, epoch: int) -> None:
+        pass
+
+    def step_loss(self, ctx: Context, params: dict, batch, local: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    def local_end(self, ctx: Context, plan: RoundPlan, local: dict, params: dict) -> None:
+        pass
+
+    # ---- evaluation
+    def predict(self, ctx: Context, glob: dict, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def round_metrics(self, ctx: Context, data, glob: dict, ev: dict) -> dict:
+        """Extra per-round metrics (e.g. pseudo-label accuracy); ``data`` holds the engine's labels."""
+        return {}
+
+    def final_weights(self, glob: dict) -> dict[str, torch.Tensor]:
+        return glob
+
+
+__all__ = ["Method", "REGISTRY", "register", "get_method", "method_table", "param_bytes"]

@@ -1,0 +1,257 @@
+"""FST-CBDG (Yan & Guo 2024): federated self-training with class-balanced data generation, label-free.
+
+Each client trains the linear head on its *unlabelled* cached features with (Algorithm 1):
+
+* **self-training** on soft pseudo-labels ``q`` kept per sample across rounds, initialised to the zero-shot
+  softmax and updated at every local iteration, before the step, for the samples of that mini-batch:
+  ``q <- beta q + (1 - beta) f(x)`` (Eq. 3-4, Algorithm 1 lines 13-15, ``f`` = current head, detached);
+  loss = mean over the batch of ``-sum_k q_k log f_k(x)``;
+* **class-balanced data generation**: with ``m_k`` = hard pseudo-label counts (argmax q) of the client at the
+  start of its local update, ``n_k = (1 + gamma) max_k m_k - m_k`` (Eq. 7) synthetic features per class are
+  drawn from ``N(T_k, sigma^2 I)`` (Eq. 5) around the class text prototype, once per local epoch, shuffled
+  and spread evenly over the epoch's iterations, with one-hot labels; loss weight ``lam`` (Eq. 8).
+
+fedfeat's readings where the paper is silent (reference-notes.md, "fedfeat's reading"): L2-normalised image
+and text features, ``W0 = T``, ``b0 = 0``, ``logit_scale = 1`` (Eq. 2 has no temperature; 100 is the switch);
+batch size 50 (FedNTD's default); no lr decay; per-iteration loss = mean CE over the real samples +
+``lam`` * mean CE over that iteration's synthetic samples. ``sigma`` is ours (the paper gives no value): the
+per-dimension standard deviation in units of ``1/sqrt(D)`` (the per-dimension scale of a unit vector), so
+``sigma = 1`` puts a synthetic sample as far from its prototype as the prototype is from the origin.
+
+Randomness. A client's synthetic samples are exactly i.i.d. ``N(T_k, sigma^2 I)``; the noise vectors are rows
+of a Gaussian bank drawn per (seed, round, epoch, step) in blocks of 64 rows, each client using rows 0..P-1
+with an independent random sign per (client, sample), so samples of different clients are uncorrelated but
+not independent. This keeps the draw independent of the engine and of which clients train together, without
+a random generator per client in the hot loop.
+
+Ablations (Table 3-4): ``self_training=false`` (sampling only: no loss on the real samples; pseudo-labels are
+still updated, since they set ``m_k``), ``sampling=false`` (self-training only), ``balance=equal``
+(``ceil(n / K)`` synthetic samples for every class, whatever the client's pseudo-label counts).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from fedfeat import rng
+from fedfeat.engine import Context, RoundPlan, masked_mean
+from fedfeat.errors import FedfeatError
+from fedfeat.methods.base import register
+from fedfeat.methods.linear import LinearHead, LinearHeadParams
+
+BANK_BLOCK = 64  # rows per independently seeded block of the noise bank
+
+
+@dataclass(frozen=True)
+class FSTCBDGParams(LinearHeadParams):
+    beta: float = 0.9  # paper §4.1: moving-average weight of the soft pseudo-labels (Eq. 4)
+    gamma: float = 0.0  # paper §4.1: class-balanced sampling parameter (Eq. 7)
+    lam: float = 1.0  # paper §4.1: weight of the synthetic-sample loss (Eq. 8)
+    sigma: float = 1.0  # ours (not in the paper): per-dim std of N(T_k, sigma^2 I) in units of 1/sqrt(D)
+    self_training: bool = True  # paper Table 3 ablation switch (false = sampling only)
+    sampling: bool = True  # paper Table 3 ablation switch (false = self-training only)
+    balance: Literal["class", "equal"] = "class"  # paper Table 4: class-balanced (Eq. 7) or equal sampling
+    renormalize_synthetic: bool = False  # ours: project synthetic samples back onto the unit sphere
+
+    def validate(self) -> None:
+        super().validate()
+        if not 0 <= self.beta <= 1:
+            raise FedfeatError(f"beta must be in [0, 1], got {self.beta}")
+        if self.gamma < 0 or self.lam < 0 or self.sigma < 0:
+            raise FedfeatError("gamma, lam and sigma must be >= 0")
+        if not (self.self_training or self.sampling):
+            raise FedfeatError("self_training and sampling cannot both be false (nothing would be trained)")
+
+
+def balanced_counts(m: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Eq. 7: ``n_k = (1 + gamma) max_k m_k - m_k`` per client (``m  # [c, K]`` int) -> ``[c, K]`` int64.
+
+    >>> balanced_counts(torch.tensor([[5, 2, 0]]), 0.0).tolist(), balanced_counts(torch.tensor([[5, 2, 0]]), 1.0).tolist()
+    ([[0, 3, 5]], [[5, 8, 10]])
+    """
+    top = m.max(dim=-1, keepdim=True).values.to(torch.float64)
+    return torch.floor((1 + gamma) * top - m.to(torch.float64) + 1e-9).clamp_min(0).to(torch.int64)
+
+
+def soft_label_update(q: torch.Tensor, f: torch.Tensor, beta: float) -> torch.Tensor:
+    """Eq. 4: ``q <- beta q + (1 - beta) f``."""
+    return beta * q + (1 - beta) * f
+
+
+@register
+class FSTCBDG(LinearHead):
+    """FST-CBDG: label-free self-training + class-balanced Gaussian sampling around text prototypes."""
+
+    name = "fst-cbdg"
+    Params = FSTCBDGParams
+    uses_labels = False
+
+    # ------------------------------------------------------------------ state
+    def setup(self, ctx: Context) -> None:
+        with torch.no_grad():
+            z0 = self.p.logit_scale * (ctx.feats @ ctx.text.T)  # [N, K] zero-shot logits at the head's scale
+            ctx.state["q"] = F.softmax(z0, dim=-1)  # per-sample soft pseudo-labels, kept across rounds
+
+    def pseudo_labels(self, ctx: Context) -> torch.Tensor:
+        return ctx.state["q"].argmax(1)
+
+    # ------------------------------------------------------------------ local update
+    def local_begin(self, ctx: Context, plan: RoundPlan, glob: dict) -> dict:
+        m, K = plan.m, ctx.K
+        starts = ctx.offsets[plan.clients]
+        seg = torch.repeat_interleave(torch.arange(m), plan.sizes)
+        rows = (
+            starts[seg]
+            + torch.arange(int(plan.sizes.sum()))
+            - torch.repeat_interleave(torch.cumsum(plan.sizes, 0) - plan.sizes, plan.sizes)
+        )
+        hard = ctx.state["q"][rows.to(ctx.device)].argmax(1).cpu()
+        counts = torch.zeros(m, K, dtype=torch.int64).index_put_(
+            (seg, hard), torch.ones_like(hard), accumulate=True
+        )
+        if self.p.balance == "class":
+            n_k = balanced_counts(counts, self.p.gamma)  # [m, K]
+        else:
+            n_k = ((plan.sizes + K - 1) // K).unsqueeze(1).expand(m, K).clone()
+        if not self.p.sampling:
+            n_k.zero_()
+        return {"n_k": n_k, "pl_counts": counts, "syn": None, "rnd": plan.rnd}
+
+    def epoch_begin(self, ctx: Context, plan: RoundPlan, local: dict, epoch: int) -> None:
+        """Draw this epoch's synthetic classes and spread them evenly over the client's iterations."""
+        n_k = local["n_k"]  # [m, K]
+        m, K = n_k.shape
+        J = n_k.sum(1)  # [m] synthetic samples per client
+        S = plan.steps  # [m] iterations per epoch
+        Smax = int(S.max()) if m else 0
+        if int(J.sum()) == 0:
+            local["syn"] = None
+            return
+        seg = torch.repeat_interleave(torch.arange(m), J)  # [Jtot] client slot
+        cls = torch.repeat_interleave(torch.arange(K).repeat(m), n_k.reshape(-1))  # class-major per client
+        j = torch.arange(int(J.sum())) - torch.repeat_interleave(
+            torch.cumsum(J, 0) - J, J
+        )  # item id in client
+        item = plan.clients[seg] * (1 << 30) + j
+        key = rng.uniform_keys(rng.stream_key(ctx.seed, plan.rnd, epoch, rng.TAG_SYNTH_ORDER), item)
+        o1 = torch.argsort(key, stable=True)
+        o2 = torch.argsort(seg[o1], stable=True)
+        cls_sorted = cls[o1[o2]]  # grouped by client, shuffled within
+        r = j  # rank within client after grouping
+        Jc, Sc = J[seg], S[seg]
+        step = r * Sc // Jc  # spread evenly: iteration of each sample
+        start = (step * Jc + Sc - 1) // Sc  # first rank of that iteration
+        slot = r - start
+        P = int(slot.max()) + 1
+        tab_cls = torch.zeros(Smax, m, P, dtype=torch.int64)
+        tab_mask = torch.zeros(Smax, m, P, dtype=torch.bool)
+        tab_cls[step, seg, slot] = cls_sorted
+        tab_mask[step, seg, slot] = True
+        # independent random sign per (client, slot, step): keys from client id, not client slot
+        sid = (plan.clients.view(1, m, 1) * (1 << 16) + torch.arange(Smax).view(Smax, 1, 1)) * (
+            1 << 20
+        ) + torch.arange(P).view(1, 1, P)
+        sk = rng.uniform_keys(rng.stream_key(ctx.seed, plan.rnd, epoch, rng.TAG_SYNTH_OFFSET), sid)
+        sign = (sk & 1).to(torch.float32) * 2 - 1
+        dev = ctx.device
+        local["syn"] = {
+            "cls": tab_cls.to(dev),
+            "mask": tab_mask.to(dev),
+            "sign": sign.to(dev),
+            "epoch": epoch,
+        }
+
+    def _noise(self, ctx: Context, rnd: int, epoch: int, step: int, P: int) -> torch.Tensor:
+        """Rows 0..P-1 of this step's Gaussian bank ``[P, D]`` (blocks of 64 rows, each seeded on its own)."""
+        nb = math.ceil(P / BANK_BLOCK)
+        buf = torch.empty(nb * BANK_BLOCK, ctx.D, dtype=torch.float32)
+        for b in range(nb):
+            g = rng.generator(ctx.seed, rnd, epoch, step, b, rng.TAG_SYNTH_NOISE)
+            torch.randn(BANK_BLOCK, ctx.D, generator=g, out=buf[b * BANK_BLOCK : (b + 1) * BANK_BLOCK])
+        return buf[:P].to(device=ctx.device, dtype=ctx.text.dtype)
+
+    def synthetic_logits(
+        self, ctx: Context, params: dict, cls: torch.Tensor, sign: torch.Tensor, eps: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits of the synthetic samples ``x = T_c + sigma * sign * eps`` without forming them.
+
+        By linearity ``W x = (W T^T)[:, c] + sigma * sign * (W eps^T)``: two small matmuls instead of an
+        ``[n, P, D]`` tensor (the gradient w.r.t. W is the same, by the chain rule through these products).
+        Shapes: ``cls, sign  # [n, P]``, ``eps  # [P, D]`` -> ``[n, P, K]``.
+        """
+        p = self.p
+        W, b = params["W"], params["b"]  # [n, K, D], [n, K]
+        n, K, D = W.shape
+        sigma = p.sigma / math.sqrt(D)
+        WT = torch.matmul(W, ctx.text.T)  # [n, K, K]: W_j . T_c for every class c
+        WE = torch.matmul(W.reshape(n * K, D), eps.T).view(n, K, -1)  # [n, K, P]
+        lin = torch.gather(WT, 2, cls.unsqueeze(1).expand(n, K, cls.shape[1]))  # [n, K, P]
+        lin = lin + sigma * sign.unsqueeze(1) * WE
+        if p.renormalize_synthetic:
+            te = ctx.text @ eps.T  # [K, P]
+            tc_e = torch.gather(te.unsqueeze(0).expand(n, K, -1), 1, cls.unsqueeze(1)).squeeze(1)  # [n, P]
+            sq = 1 + 2 * sigma * sign * tc_e + sigma**2 * (eps * eps).sum(1)
+            lin = lin / sq.clamp_min(1e-12).sqrt().unsqueeze(1)
+        return p.logit_scale * (lin.transpose(1, 2) + b.unsqueeze(1))  # [n, P, K]
+
+    def step_loss(self, ctx, params, batch, local):
+        p = self.p
+        n = batch.n
+        z = self.logits(params, batch.x)  # [n, B, K]
+        # Algorithm 1 lines 13-15: update the batch's soft labels before the step, from the current head
+        q_all = ctx.state["q"]
+        with torch.no_grad():
+            f = F.softmax(z.detach(), dim=-1)
+            pos = batch.pos[batch.mask]
+            q_new = soft_label_update(q_all[pos], f[batch.mask], p.beta)
+            q_all[pos] = q_new
+        loss = torch.zeros(n, device=batch.x.device, dtype=batch.x.dtype)
+        if p.self_training:
+            q = q_all[batch.pos]  # [n, B, K] (padding rows read row 0 and are masked out)
+            st = -(q * F.log_softmax(z, dim=-1)).sum(-1)  # [n, B]
+            loss = loss + masked_mean(st, batch.mask)
+        syn = local["syn"]
+        if syn is not None and batch.step < syn["cls"].shape[0]:
+            cls = syn["cls"][batch.step, :n]  # [n, P]
+            smask = syn["mask"][batch.step, :n]
+            if bool(smask.any()):
+                P = int(smask.sum(1).max())
+                cls, smask = cls[:, :P], smask[:, :P]
+                sign = syn["sign"][batch.step, :n, :P]
+                eps = self._noise(ctx, local["rnd"], batch.epoch, batch.step, P)  # [P, D]
+                zs = self.synthetic_logits(ctx, params, cls, sign, eps)  # [n, P, K]
+                ce = F.cross_entropy(zs.transpose(1, 2), cls, reduction="none")
+                loss = loss + p.lam * masked_mean(ce, smask)
+        return loss
+
+    # ------------------------------------------------------------------ metrics
+    def round_metrics(self, ctx: Context, data, glob: dict, ev: dict) -> dict:
+        """Pseudo-label accuracy over all training samples and over the clients of the last round."""
+        pl = self.pseudo_labels(ctx)
+        right = (pl == data.train_y).to(torch.float64)
+        out = {"pseudo_label_acc_all": float(right.mean()) * 100}
+        part = ctx.state.get("last_rows")
+        if part is not None and len(part):
+            out["pseudo_label_acc"] = float(right[part].mean()) * 100
+        else:
+            out["pseudo_label_acc"] = None
+        return out
+
+    def local_end(self, ctx: Context, plan: RoundPlan, local: dict, params: dict) -> None:
+        starts = ctx.offsets[plan.clients]
+        seg = torch.repeat_interleave(torch.arange(plan.m), plan.sizes)
+        rows = (
+            starts[seg]
+            + torch.arange(int(plan.sizes.sum()))
+            - torch.repeat_interleave(torch.cumsum(plan.sizes, 0) - plan.sizes, plan.sizes)
+        )
+        prev = ctx.state.get("last_rows")
+        if prev is not None and ctx.state.get("last_round") == plan.rnd:
+            rows = torch.cat([prev.cpu(), rows])  # loop engine: one client at a time
+        ctx.state["last_rows"] = rows.to(ctx.device)
+        ctx.state["last_round"] = plan.rnd

@@ -1,0 +1,172 @@
+"""Supervised linear heads on cached features: fedavg, fedprox, fedavgm, fedntd, centralized.
+
+The baselines of FST-CBDG (Table 1-2: CLIP-FC-Centralized, FedAvg, FedNTD) and of CLIP2FL (FedAvg,
+FedProx, FedAvgM), here all as one linear head ``logits = s * (x W^T + b)`` on L2-normalised CLIP image
+features, initialised from the class text features (``W0 = T``, ``b0 = 0``) as FST-CBDG does, and trained with
+FST-CBDG's lightweight protocol (SGD 0.01 / 0.9 / 1e-5, 1 local epoch, batch 50).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from fedfeat.engine import Batch, Context, RoundPlan, masked_mean
+from fedfeat.errors import FedfeatError
+from fedfeat.methods.base import Method, register
+
+
+@dataclass(frozen=True)
+class LinearHeadParams:
+    local_epochs: int = 1  # FST-CBDG §4.1: 1 local epoch per round (lightweight setting)
+    batch_size: int = 50  # FedNTD default; FST-CBDG does not say (reference-notes: inference)
+    lr: float = 0.01  # FST-CBDG §4.1
+    momentum: float = 0.9  # FST-CBDG §4.1
+    weight_decay: float = 1e-5  # FST-CBDG §4.1
+    lr_decay: float = 1.0  # per-round lr factor; FedNTD's code uses 0.99 (switch), FST-CBDG says nothing
+    logit_scale: float = 1.0  # ours (fedfeat's reading of FST-CBDG Eq. 2: no temperature); 100 = CLIP's scale
+    normalize: bool = True  # L2-normalise image features (CLIP convention; head init from unit text features)
+    init: Literal["text", "zeros"] = (
+        "text"  # FST-CBDG: head initialised from "a photo of a {}." text features
+    )
+    templates: Literal["first", "ensemble"] = "first"  # first = "a photo of a {}."; ensemble = mean of all
+
+    def validate(self) -> None:
+        if self.local_epochs < 1 or self.batch_size < 1:
+            raise FedfeatError("local_epochs and batch_size must be >= 1")
+        if self.lr <= 0 or self.logit_scale <= 0:
+            raise FedfeatError("lr and logit_scale must be > 0")
+
+
+class LinearHead(Method):
+    """Shared linear-head machinery (not registered)."""
+
+    Params = LinearHeadParams
+
+    def init_global(self, ctx: Context) -> dict[str, torch.Tensor]:
+        W = ctx.text.clone() if self.p.init == "text" else torch.zeros_like(ctx.text)  # [K, D]
+        return {"W": W, "b": torch.zeros(ctx.K, device=ctx.device, dtype=W.dtype)}
+
+    def logits(self, params: dict, x: torch.Tensor) -> torch.Tensor:
+        """``x  # [n, B, D]``, per-client ``W  # [n, K, D]`` -> ``[n, B, K]``."""
+        return self.p.logit_scale * (torch.baddbmm(params["b"].unsqueeze(1), x, params["W"].transpose(1, 2)))
+
+    def predict(self, ctx: Context, glob: dict, x: torch.Tensor) -> torch.Tensor:
+        return self.p.logit_scale * (x @ glob["W"].T + glob["b"])
+
+    def ce(self, params: dict, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        z = self.logits(params, batch.x)  # [n, B, K]
+        ce = F.cross_entropy(z.transpose(1, 2), batch.y, reduction="none")  # [n, B]
+        return masked_mean(ce, batch.mask), z
+
+
+@register
+class FedAvg(LinearHead):
+    """FedAvg (McMahan et al. 2017): local SGD on cross-entropy, sample-weighted averaging."""
+
+    name = "fedavg"
+
+    def step_loss(self, ctx, params, batch, local):
+        return self.ce(params, batch)[0]
+
+
+@register
+class Centralized(FedAvg):
+    """CLIP-FC-Centralized (FST-CBDG): a linear probe on all labelled training data, one 'client'."""
+
+    name = "centralized"
+    centralized = True  # the CLI loads the split as a single client holding every sample
+
+
+@dataclass(frozen=True)
+class FedProxParams(LinearHeadParams):
+    mu: float = 0.01  # FedProx (Li et al. 2020) proximal weight; their grid {0.001, 0.01, 0.1, 1}
+
+
+@register
+class FedProx(LinearHead):
+    """FedProx (Li et al. 2020): FedAvg + (mu/2) ||theta - theta_global||^2 in the local loss."""
+
+    name = "fedprox"
+    Params = FedProxParams
+
+    def local_begin(self, ctx, plan, glob):
+        return {"glob": glob}
+
+    def step_loss(self, ctx, params, batch, local):
+        g = local["glob"]
+        prox = sum(((params[k] - g[k]) ** 2).flatten(1).sum(1) for k in params)  # [n]
+        return self.ce(params, batch)[0] + 0.5 * self.p.mu * prox
+
+
+@dataclass(frozen=True)
+class FedAvgMParams(LinearHeadParams):
+    server_momentum: float = 0.9  # FedAvgM (Hsu et al. 2019): beta in v = beta v + delta
+    server_lr: float = 1.0  # Hsu et al. 2019
+
+
+@register
+class FedAvgM(FedAvg):
+    """FedAvgM (Hsu et al. 2019): FedAvg with server momentum on the averaged update."""
+
+    name = "fedavgm"
+    Params = FedAvgMParams
+
+    def setup(self, ctx):
+        ctx.state["v"] = None
+
+    def server_update(self, ctx: Context, plan: RoundPlan, old: dict, new: dict) -> dict:
+        delta = {k: old[k] - new[k] for k in old}  # pseudo-gradient
+        v = ctx.state["v"]
+        v = delta if v is None else {k: self.p.server_momentum * v[k] + delta[k] for k in delta}
+        ctx.state["v"] = v
+        return {k: old[k] - self.p.server_lr * v[k] for k in old}
+
+
+@dataclass(frozen=True)
+class FedNTDParams(LinearHeadParams):
+    tau: float = 1.0  # FedNTD config/fedntd.json (the class default of 3 is overridden by the config)
+    beta: float = 1.0  # FedNTD config/fedntd.json
+
+
+def ntd_loss(
+    z_local: torch.Tensor,
+    z_global: torch.Tensor,
+    y: torch.Tensor,
+    mask: torch.Tensor,
+    tau: float,
+    beta: float,
+) -> torch.Tensor:
+    """FedNTD (Lee et al. 2022) per client: ``CE(z, y) + beta tau^2 KL(softmax(zg~/tau) || softmax(zl~/tau))``,
+    where ``~`` removes the true-class column; KL is ``KLDivLoss(batchmean)``: summed over classes, averaged
+    over the client's samples. Shapes: ``z_*  # [n, B, K]``, ``y, mask  # [n, B]`` -> ``[n]``."""
+    K = z_local.shape[-1]
+    ce = F.cross_entropy(z_local.transpose(1, 2), y, reduction="none")  # [n, B]
+    ar = torch.arange(K - 1, device=y.device)
+    nt = ar + (ar >= y.unsqueeze(-1)).long()  # [n, B, K-1] indices of the not-true classes
+    zl = torch.gather(z_local, -1, nt) / tau
+    zg = torch.gather(z_global, -1, nt) / tau
+    pg = F.softmax(zg, -1)
+    kl = (pg * (F.log_softmax(zg, -1) - F.log_softmax(zl, -1))).sum(-1)  # [n, B]
+    return masked_mean(ce, mask) + beta * tau**2 * masked_mean(kl, mask)
+
+
+@register
+class FedNTD(LinearHead):
+    """FedNTD (Lee et al. 2022): CE + not-true distillation from the frozen global model."""
+
+    name = "fedntd"
+    Params = FedNTDParams
+
+    def local_begin(self, ctx, plan, glob):
+        return {"glob": {k: v.detach() for k, v in glob.items()}}
+
+    def step_loss(self, ctx, params, batch, local):
+        g = local["glob"]
+        z = self.logits(params, batch.x)
+        with torch.no_grad():
+            zg = self.p.logit_scale * (batch.x @ g["W"].T + g["b"])  # [n, B, K]
+        return ntd_loss(z, zg, batch.y, batch.mask, self.p.tau, self.p.beta)

@@ -1,0 +1,87 @@
+"""Batched optimizers over parameter sets with a leading client axis.
+
+A parameter set is a ``dict[str, Tensor]`` whose tensors all have shape ``[m, ...]`` (one row per client).
+``step(params, grads, n)`` updates the first ``n`` clients in place (the engine orders clients so that the
+ones still training form a prefix) with exactly PyTorch's update rules, per client:
+
+* SGD: ``d = g + wd * p``; ``buf = d`` on the first step, else ``buf = momentum * buf + d``; ``p -= lr * buf``
+  (``torch.optim.SGD`` with dampening 0, nesterov off).
+* Adam: ``torch.optim.Adam`` (L2 weight decay added to the gradient, bias-corrected moments).
+
+State (momentum buffers, moments, step counts) is kept per client, so a client that skips a step (it has
+run out of batches) is left exactly as it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class BatchedSGD:
+    lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    state: dict = field(default_factory=dict)
+
+    def reset(self, params: dict[str, torch.Tensor]) -> None:
+        """Fresh state for a new local update (``torch.optim.SGD`` made anew per client per round)."""
+        self.state = {"steps": torch.zeros(next(iter(params.values())).shape[0], dtype=torch.int64)}
+        if self.momentum:
+            self.state["buf"] = {k: torch.zeros_like(v) for k, v in params.items()}
+
+    @torch.no_grad()
+    def step(self, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], n: int) -> None:
+        steps = self.state["steps"]
+        first = bool((steps[:n] == 0).all())
+        for k, g in grads.items():
+            p = params[k][:n]
+            d = g.add(p, alpha=self.weight_decay) if self.weight_decay else g
+            if self.momentum:
+                buf = self.state["buf"][k][:n]
+                if first:
+                    buf.copy_(d)
+                else:
+                    fresh = (steps[:n] == 0).view(-1, *([1] * (d.dim() - 1)))
+                    buf.copy_(torch.where(fresh, d, buf * self.momentum + d))
+                d = buf
+            p.sub_(d, alpha=self.lr)
+        steps[:n] += 1
+
+
+@dataclass
+class BatchedAdam:
+    lr: float
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    state: dict = field(default_factory=dict)
+
+    def reset(self, params: dict[str, torch.Tensor]) -> None:
+        m = next(iter(params.values())).shape[0]
+        self.state = {
+            "steps": torch.zeros(m, dtype=torch.int64),
+            "m": {k: torch.zeros_like(v) for k, v in params.items()},
+            "v": {k: torch.zeros_like(v) for k, v in params.items()},
+        }
+
+    @torch.no_grad()
+    def step(self, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], n: int) -> None:
+        b1, b2 = self.betas
+        self.state["steps"][:n] += 1
+        t = self.state["steps"][:n].to(next(iter(grads.values())).dtype)
+        for k, g in grads.items():
+            p = params[k][:n]
+            shape = (-1, *([1] * (g.dim() - 1)))
+            if self.weight_decay:
+                g = g.add(p, alpha=self.weight_decay)
+            m1 = self.state["m"][k][:n]
+            v1 = self.state["v"][k][:n]
+            m1.mul_(b1).add_(g, alpha=1 - b1)
+            v1.mul_(b2).addcmul_(g, g, value=1 - b2)
+            bc1 = (1 - b1**t).view(shape)
+            bc2 = (1 - b2**t).view(shape)
+            denom = (v1.sqrt() / bc2.sqrt()).add_(self.eps)
+            p.sub_(self.lr * m1 / bc1 / denom)

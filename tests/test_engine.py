@@ -1,0 +1,210 @@
+"""The batched engine against the loop engine, and hand-checkable cases of every method's numbers."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fedfeat.engine import Batch, LabelAccessError, load_run_data, run_federated, sample_clients
+from fedfeat.methods import get_method
+from fedfeat.methods.base import REGISTRY
+from fedfeat.methods.fst_cbdg import balanced_counts, soft_label_update
+from fedfeat.methods.linear import ntd_loss
+from fedfeat.optim import BatchedSGD
+from fedfeat.partition import make_partition
+from fedfeat.synth import SynthParams, write_synthetic_store
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """CIFAR-10-like toy store: 10 classes x 100 train, D = 32; Dirichlet alpha 0.1 over 20 ragged clients."""
+    p = SynthParams(classes=10, dim=32, train_per_class=100, test_per_class=20, templates=2)
+    st = write_synthetic_store(tmp_path_factory.mktemp("e") / "s.zarr", p, stats=False, log=lambda *_: None)
+    part = make_partition(st.labels("train"), "dirichlet", clients=20, alpha=0.1, seed=1)
+    sizes = part.sizes()
+    assert sizes.min() < 16 <= sizes.max()  # ragged: some clients have fewer samples than one batch
+    return st, part
+
+
+CASES = [
+    ("zeroshot", {}),
+    ("centralized", {"batch_size": "16"}),
+    ("fedavg", {"batch_size": "16", "local_epochs": "2"}),
+    ("fedprox", {"batch_size": "16", "mu": "0.5"}),
+    ("fedavgm", {"batch_size": "16"}),
+    ("fedntd", {"batch_size": "16", "logit_scale": "10"}),
+    ("fst-cbdg", {"batch_size": "16", "local_epochs": "2"}),
+    ("fst-cbdg", {"batch_size": "16", "gamma": "1", "logit_scale": "100", "renormalize_synthetic": "true"}),
+    ("fst-cbdg", {"batch_size": "16", "self_training": "false"}),
+    ("fst-cbdg", {"batch_size": "16", "sampling": "false"}),
+    ("fst-cbdg", {"batch_size": "16", "balance": "equal"}),
+]
+
+
+def _run(small, name, sets, engine, rounds=3, participation=0.5, seed=0, dtype=torch.float32):
+    st, part = small
+    m = get_method(name, sets)
+    data = load_run_data(st, part, centralized=getattr(m, "centralized", False), dtype=dtype)
+    return run_federated(m, data, rounds=rounds, participation=participation, seed=seed, engine=engine)
+
+
+@pytest.mark.parametrize("name, sets", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
+def test_batched_equals_loop(small, name, sets):
+    # logits x100 amplify float32 rounding differences between matmuls of different shapes chaotically
+    # (~3e-4 after 3 rounds, while the two engines agree to 1e-12 in float64): check those cases in float64
+    dtype = torch.float64 if float(sets.get("logit_scale", 1)) > 10 else torch.float32
+    gb, mb = _run(small, name, sets, "batched", dtype=dtype)
+    gl, ml = _run(small, name, sets, "loop", dtype=dtype)
+    assert [r["round"] for r in mb] == [r["round"] for r in ml]
+    np.testing.assert_allclose([r["test_acc"] for r in mb], [r["test_acc"] for r in ml], atol=1e-5)
+    for k in gb:
+        torch.testing.assert_close(gb[k], gl[k], atol=1e-5, rtol=1e-5)
+    if REGISTRY[name].federated:
+        assert len(mb) == 4
+        assert mb[1]["bytes_up"] > 0 and mb[1]["train_loss"] is not None
+    for a, b in zip(mb[1:], ml[1:]):
+        if a.get("pseudo_label_acc") is not None:
+            assert a["pseudo_label_acc"] == pytest.approx(b["pseudo_label_acc"], abs=1e-9)
+
+
+def test_training_changes_the_head(small):
+    g0, m0 = _run(small, "fedavg", {"batch_size": "16"}, "batched", rounds=0)
+    g1, _ = _run(small, "fedavg", {"batch_size": "16"}, "batched", rounds=1)
+    assert len(m0) == 1 and not torch.allclose(g0["W"], g1["W"])
+
+
+def test_same_seed_same_numbers_different_seed_different(small):
+    _, a = _run(small, "fst-cbdg", {"batch_size": "16"}, "batched", seed=3)
+    _, b = _run(small, "fst-cbdg", {"batch_size": "16"}, "batched", seed=3)
+    _, c = _run(small, "fst-cbdg", {"batch_size": "16"}, "batched", seed=4)
+    assert [r["test_acc"] for r in a] == [r["test_acc"] for r in b]
+    assert [r["clients"] for r in a] != [r["clients"] for r in c]
+
+
+def test_zeroshot_equals_hand_argmax(small):
+    st, part = small
+    _, m = _run(small, "zeroshot", {}, "batched")
+    x = st.features("test").astype(np.float32)
+    t = st.text_features()[0].astype(np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    t /= np.linalg.norm(t, axis=1, keepdims=True)
+    hand = 100 * np.mean((x @ t.T).argmax(1) == st.labels("test"))
+    assert m[0]["test_acc"] == pytest.approx(hand, abs=1e-9)
+    assert len(m) == 1  # no rounds for a method that does not train
+
+
+def test_ntd_loss_hand_case():
+    """z_local = [2, 1, 0], z_global = [0, 1, 2], y = 0, tau = 1, beta = 1:
+    CE = log(e^2 + e + 1) - 2; not-true logits: local [1, 0], global [1, 2];
+    KL(p_g || p_l) = sum p_g (log p_g - log p_l) with p = softmax over the two not-true classes."""
+    zl = torch.tensor([[[2.0, 1.0, 0.0]]])
+    zg = torch.tensor([[[0.0, 1.0, 2.0]]])
+    y = torch.tensor([[0]])
+    mask = torch.tensor([[True]])
+    ce = math.log(math.e**2 + math.e + 1) - 2
+    pl = [math.e / (math.e + 1), 1 / (math.e + 1)]
+    pg = [math.e / (math.e + math.e**2), math.e**2 / (math.e + math.e**2)]
+    kl = sum(g * (math.log(g) - math.log(l)) for g, l in zip(pg, pl))
+    got = ntd_loss(zl, zg, y, mask, tau=1.0, beta=1.0)
+    assert got.item() == pytest.approx(ce + kl, abs=1e-6)
+    # tau = 2, beta = 0.5: the KL term is computed on halved logits and scaled by beta tau^2 = 2
+    pl2 = torch.softmax(torch.tensor([0.5, 0.0]), 0)
+    pg2 = torch.softmax(torch.tensor([0.5, 1.0]), 0)
+    kl2 = float((pg2 * (pg2.log() - pl2.log())).sum())
+    assert ntd_loss(zl, zg, y, mask, tau=2.0, beta=0.5).item() == pytest.approx(ce + 2 * kl2, abs=1e-6)
+
+
+def test_fst_balanced_counts():
+    assert balanced_counts(torch.tensor([[5, 2, 0]]), 0.0).tolist() == [[0, 3, 5]]
+    assert balanced_counts(torch.tensor([[5, 2, 0]]), 1.0).tolist() == [[5, 8, 10]]
+
+
+def test_fst_soft_label_update_after_one_step(tmp_path):
+    """One client, one sample, one step, no synthetic samples: after the step the stored soft label is
+    beta q0 + (1 - beta) softmax(s W0 x) with q0 = softmax(s W0 x) -- here with beta = 0.3 and a hand-set q0
+    different from the zero-shot softmax, so the update is visible."""
+    p = SynthParams(classes=3, dim=8, train_per_class=1, test_per_class=1, templates=1)
+    st = write_synthetic_store(tmp_path / "t.zarr", p, stats=False, log=lambda *_: None)
+    part = make_partition(st.labels("train"), "iid", clients=1, seed=0)
+    m = get_method("fst-cbdg", {"beta": "0.3", "sampling": "false", "batch_size": "3"})
+    data = load_run_data(st, part)
+    q0 = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8], [1 / 3, 1 / 3, 1 / 3]])
+    orig_setup = m.setup
+
+    def setup(ctx):
+        orig_setup(ctx)
+        ctx.state["q"] = q0.clone()
+        ctx.state["ctx"] = ctx
+
+    m.setup = setup
+    x = torch.nn.functional.normalize(data.train_x, dim=1)
+    t = torch.nn.functional.normalize(data.text_all[0], dim=1)
+    f = torch.softmax(x @ t.T, dim=1)  # the initial head's prediction (logit scale 1)
+    captured = {}
+    m.local_end = lambda ctx, plan, local, params: captured.setdefault("q", ctx.state["q"].clone())
+    run_federated(m, data, rounds=1, participation=1.0, seed=0)
+    torch.testing.assert_close(captured["q"], soft_label_update(q0, f, 0.3), atol=1e-6, rtol=0)
+    torch.testing.assert_close(captured["q"], 0.3 * q0 + 0.7 * f, atol=1e-6, rtol=0)
+
+
+def test_label_free_methods_cannot_read_labels(small):
+    st, part = small
+    data = load_run_data(st, part)
+    for name, cls in REGISTRY.items():
+        if not cls.uses_labels:
+            m = get_method(name)
+            from fedfeat.engine import build_context
+
+            assert build_context(data, m, 0, torch.device("cpu")).labels is None, name
+    b = Batch(
+        torch.zeros(1, 2, 3), torch.ones(1, 2, dtype=torch.bool), torch.zeros(1, 2, dtype=torch.long), 1, 0, 0
+    )
+    with pytest.raises(LabelAccessError):
+        _ = b.y
+
+    class Cheater(REGISTRY["fst-cbdg"]):
+        def step_loss(self, ctx, params, batch, local):
+            _ = batch.y
+            return super().step_loss(ctx, params, batch, local)
+
+    with pytest.raises(LabelAccessError):
+        run_federated(Cheater(get_method("fst-cbdg").p), data, rounds=1, participation=0.2, seed=0)
+
+
+def test_batched_sgd_equals_torch_sgd():
+    torch.manual_seed(0)
+    W0 = torch.randn(3, 4)
+    x = torch.randn(5, 4)
+    y = torch.tensor([0, 1, 2, 1, 0])
+    ref = W0.clone().requires_grad_(True)
+    opt = torch.optim.SGD([ref], lr=0.1, momentum=0.9, weight_decay=0.01)
+    params = {"W": W0.clone().unsqueeze(0).repeat(2, 1, 1)}
+    bopt = BatchedSGD(lr=0.1, momentum=0.9, weight_decay=0.01)
+    bopt.reset(params)
+    for step in range(3):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(x @ ref.T, y).backward()
+        opt.step()
+        p = params["W"][:1].detach().requires_grad_(True)
+        (g,) = torch.autograd.grad(torch.nn.functional.cross_entropy(x @ p[0].T, y), [p])
+        bopt.step(params, {"W": g}, n=1)  # client 1 never steps: it must stay at W0
+    torch.testing.assert_close(params["W"][0], ref.detach(), atol=1e-6, rtol=0)
+    assert torch.equal(params["W"][1], W0)
+
+
+def test_client_sampling_follows_fedntd_count():
+    assert len(sample_clients(0, 1, 100, 0.1)) == 10
+    assert len(sample_clients(0, 1, 20, 0.4)) == 8
+    assert len(sample_clients(0, 1, 5, 0.01)) == 1  # max(1, int(p * n))
+    a = sample_clients(0, 1, 100, 0.1)
+    assert len(set(a.tolist())) == 10 and not np.array_equal(a, sample_clients(0, 2, 100, 0.1))
+
+
+def test_unknown_method_and_key():
+    from fedfeat.errors import FedfeatError
+
+    with pytest.raises(FedfeatError, match="fedavg"):
+        get_method("nope")
+    with pytest.raises(FedfeatError, match="valid keys: .*beta"):
+        get_method("fst-cbdg", {"betta": "1"})
