@@ -323,7 +323,7 @@ def report(paths: list[Path], *, fmt: str = "markdown", plot: Path | None = None
         cols += ["pseudo-label acc"]
     cols += ["s/round", "MB up"]
     rows = []
-    for s, m, _ in runs:
+    for s, _m, _ in runs:
         defaults = _method_defaults(s["method"])
         changed = {k: v for k, v in s["params"].items() if defaults.get(k, v) != v}
         row = [

@@ -182,7 +182,7 @@ def test_batched_sgd_equals_torch_sgd():
     params = {"W": W0.clone().unsqueeze(0).repeat(2, 1, 1)}
     bopt = BatchedSGD(lr=0.1, momentum=0.9, weight_decay=0.01)
     bopt.reset(params)
-    for step in range(3):
+    for _step in range(3):
         opt.zero_grad()
         torch.nn.functional.cross_entropy(x @ ref.T, y).backward()
         opt.step()
