@@ -35,7 +35,8 @@ class BatchedSGD:
     @torch.no_grad()
     def step(self, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], n: int) -> None:
         steps = self.state["steps"]
-        first = bool((steps[:n] == 0).all())
+        fresh_any = bool((steps[:n] == 0).any())
+        first = fresh_any and bool((steps[:n] == 0).all())
         for k, g in grads.items():
             p = params[k][:n]
             d = g.add(p, alpha=self.weight_decay) if self.weight_decay else g
@@ -43,6 +44,8 @@ class BatchedSGD:
                 buf = self.state["buf"][k][:n]
                 if first:
                     buf.copy_(d)
+                elif not fresh_any:
+                    buf.mul_(self.momentum).add_(d)
                 else:
                     fresh = (steps[:n] == 0).view(-1, *([1] * (d.dim() - 1)))
                     buf.copy_(torch.where(fresh, d, buf * self.momentum + d))

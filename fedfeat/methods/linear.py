@@ -19,6 +19,30 @@ from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import Method, register
 
 
+class _BatchedLinear(torch.autograd.Function):
+    """``z = x W^T + b`` per client with a hand-written backward: autograd's generic baddbmm backward is
+    several times slower on CPU than one ``bmm(g^T, x)`` for the weight gradient (measured: 27 ms vs 4 ms
+    for 100 clients x 50 samples x 1024 dims x 10 classes)."""
+
+    @staticmethod
+    def forward(ctx, x, W, b):  # x [n, B, D], W [n, K, D], b [n, K]
+        ctx.save_for_backward(x, W)
+        return torch.baddbmm(b.unsqueeze(1), x, W.transpose(1, 2))  # [n, B, K]
+
+    @staticmethod
+    def backward(ctx, g):  # g [n, B, K]
+        x, W = ctx.saved_tensors
+        gx = torch.bmm(g, W) if ctx.needs_input_grad[0] else None
+        gW = torch.bmm(g.transpose(1, 2), x) if ctx.needs_input_grad[1] else None
+        gb = g.sum(1) if ctx.needs_input_grad[2] else None
+        return gx, gW, gb
+
+
+def batched_linear(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-client linear layer: ``x  # [n, B, D]``, ``W  # [n, K, D]``, ``b  # [n, K]`` -> ``[n, B, K]``."""
+    return _BatchedLinear.apply(x, W, b)
+
+
 @dataclass(frozen=True)
 class LinearHeadParams:
     local_epochs: int = 1  # FST-CBDG §4.1: 1 local epoch per round (lightweight setting)
@@ -52,7 +76,7 @@ class LinearHead(Method):
 
     def logits(self, params: dict, x: torch.Tensor) -> torch.Tensor:
         """``x  # [n, B, D]``, per-client ``W  # [n, K, D]`` -> ``[n, B, K]``."""
-        return self.p.logit_scale * (torch.baddbmm(params["b"].unsqueeze(1), x, params["W"].transpose(1, 2)))
+        return self.p.logit_scale * batched_linear(x, params["W"], params["b"])
 
     def predict(self, ctx: Context, glob: dict, x: torch.Tensor) -> torch.Tensor:
         return self.p.logit_scale * (x @ glob["W"].T + glob["b"])

@@ -1,0 +1,206 @@
+"""Engine benchmark: wall time per round, batched vs loop, against this machine's floor.
+
+    python bench/bench_engine.py                      # all configurations, writes bench/results/engine.md
+    python bench/bench_engine.py --configs 100:1.0 --methods fedavg
+
+Each (method, clients, participation, engine) runs in a fresh process (so peak memory is its own) on the
+CIFAR-10-shaped synthetic store (50,000 x 1024, built if missing), ``iid`` partition (equal clients, so the
+number of clients is the only thing that changes), 1 warm-up round + ``--rounds`` timed rounds; the figure
+is the median seconds per timed round (local updates, aggregation and the test evaluation).
+
+The floor of a round is what this machine cannot beat: the bytes the round must move (each participating
+sample's float32 features read once per local epoch, each client's head read and written once) divided by the
+measured copy bandwidth, plus the round's FLOPs (forward and weight gradient of the linear head,
+4 * samples * D * K, synthetic samples of FST-CBDG included) divided by the measured float32 matmul rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
+    return (
+        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+        f"Python {platform.python_version()}{gpu}"
+    )
+
+
+def ceilings(device: str) -> dict:
+    """Measured copy bandwidth (bytes/s) and float32 matmul rate (FLOP/s), best of several tries."""
+    dev = torch.device(device)
+    src = torch.randn(64 << 20 >> 2, device=dev)  # 64 MiB
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(7):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        dst.copy_(src)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    bw = 2 * src.numel() * 4 / best  # read + write
+    n = 2048 if dev.type == "cpu" else 8192
+    a = torch.randn(n, n, device=dev)
+    b = torch.randn(n, n, device=dev)
+    best = float("inf")
+    for _ in range(5):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        torch.mm(a, b)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return {"copy_bytes_per_s": bw, "matmul_flops_per_s": 2 * n**3 / best}
+
+
+def one(
+    method: str, clients: int, participation: float, engine: str, rounds: int, store: str, device: str
+) -> dict:
+    from fedfeat.engine import load_run_data, run_federated
+    from fedfeat.methods import get_method
+    from fedfeat.report import store_partition
+    from fedfeat.store import FeatureStore
+
+    st = FeatureStore.open(store)
+    _, part = store_partition(st, scheme="iid", clients=clients, save=False)
+    data = load_run_data(st, part, device=device)
+    m = get_method(method)
+    totals = {"samples": 0, "synthetic": 0}
+    orig = m.local_begin
+
+    def counting_local_begin(ctx, plan, glob):
+        local = orig(ctx, plan, glob)
+        totals["samples"] += int(plan.sizes.sum()) * plan.epochs
+        if "n_k" in local:
+            totals["synthetic"] += int(local["n_k"].sum()) * plan.epochs
+        return local
+
+    m.local_begin = counting_local_begin
+    _, metrics = run_federated(
+        m, data, rounds=rounds + 1, participation=participation, seed=0, engine=engine, device=device
+    )
+    secs = [r["seconds"] for r in metrics[2:]]  # skip round 0 (evaluation only) and the warm-up round 1
+    K, D = len(data.class_names), data.train_x.shape[1]
+    per_round_samples = totals["samples"] / (rounds + 1)
+    per_round_syn = totals["synthetic"] / (rounds + 1)
+    m_clients = max(1, int(participation * clients))
+    return {
+        "method": method,
+        "clients": clients,
+        "participation": participation,
+        "engine": engine,
+        "sec_per_round": statistics.median(secs),
+        "sec_min": min(secs),
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "bytes": per_round_samples * D * 4 + m_clients * 2 * (K * D + K) * 4,
+        "flops": 4 * (per_round_samples + per_round_syn) * D * K,
+        "sampled": m_clients,
+    }
+
+
+def run_all(args) -> None:
+    from fedfeat.store import is_store
+    from fedfeat.synth import write_synthetic_store
+
+    if not is_store(args.store):
+        write_synthetic_store(args.store)
+    ceil = ceilings(args.device)
+    rows = []
+    configs = [(int(c.split(":")[0]), float(c.split(":")[1])) for c in args.configs.split(",")]
+    for method in args.methods.split(","):
+        for clients, part in configs:
+            res = {}
+            for engine in ("batched", "loop"):
+                cmd = [sys.executable, __file__, "--one", f"{method},{clients},{part},{engine}",
+                       "--rounds", str(args.rounds), "--store", args.store, "--device", args.device]  # fmt: skip
+                t = time.perf_counter()
+                out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+                res[engine] = json.loads(out.strip().splitlines()[-1])
+                print(f"{method} {clients}x{part:g} {engine}: {res[engine]['sec_per_round']:.4f} s/round "
+                      f"({time.perf_counter() - t:.0f} s)", flush=True)  # fmt: skip
+            b, lp = res["batched"], res["loop"]
+            floor_bytes = b["bytes"] / ceil["copy_bytes_per_s"]
+            floor_flops = b["flops"] / ceil["matmul_flops_per_s"]
+            rows.append({**b, "loop_sec": lp["sec_per_round"], "loop_rss": lp["peak_rss_mib"],
+                         "floor": floor_bytes + floor_flops, "floor_bytes": floor_bytes, "floor_flops": floor_flops})  # fmt: skip
+    write_md(args, ceil, rows)
+
+
+def write_md(args, ceil: dict, rows: list[dict]) -> None:
+    dev = "GPU" if args.device.startswith("cuda") else "CPU"
+    lines = [
+        f"## Engine: seconds per round, batched vs loop ({dev})",
+        "",
+        f"Machine: {machine()}. Measured ceilings: copy {ceil['copy_bytes_per_s'] / 1e9:.1f} GB/s, "
+        f"float32 matmul {ceil['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s.",
+        "",
+        f"Reproduce: `{' '.join(['python', 'bench/bench_engine.py', *sys.argv[1:]])}` (or `make bench`). "
+        "Store: synthetic CIFAR-10 shape (50,000 x 1024, 10 classes), `iid` partition, default hyperparameters "
+        f"(1 local epoch, batch 50), median of {args.rounds} rounds after a warm-up round; each cell a fresh process.",
+        "",
+        "| method | clients x participation | sampled | batched s/round | loop s/round | loop / batched | "
+        "floor s (bytes + FLOPs) | batched / floor | peak RSS batched / loop (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {r['clients']:,} x {r['participation'] * 100:g}% | {r['sampled']:,} | "
+            f"{r['sec_per_round']:.4f} | {r['loop_sec']:.4f} | **{r['loop_sec'] / r['sec_per_round']:.1f}x** | "
+            f"{r['floor']:.4f} ({r['floor_bytes']:.4f} + {r['floor_flops']:.4f}) | "
+            f"{r['sec_per_round'] / r['floor']:.1f}x | {r['peak_rss_mib']:.0f} / {r['loop_rss']:.0f} |"
+        )
+    lines.append("")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", default="fedavg,fst-cbdg")
+    ap.add_argument("--configs", default="100:0.1,100:1.0,1000:0.1,1000:1.0,10000:0.1,10000:1.0",
+                    help="clients:participation pairs")  # fmt: skip
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds (after one warm-up round)")
+    ap.add_argument("--store", default=str(ROOT / "cache" / "synth-cifar10.zarr"))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "engine.md"))
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        method, clients, part, engine = args.one.split(",")
+        print(
+            json.dumps(one(method, int(clients), float(part), engine, args.rounds, args.store, args.device))
+        )
+    else:
+        run_all(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""`make bench`: run every benchmark in bench/ and assemble BENCHMARKS.md from bench/results/*.md.
+
+    python bench/run_all.py            # engine + encode benchmarks on this machine, then BENCHMARKS.md
+    python bench/run_all.py --assemble # only rebuild BENCHMARKS.md from the results already there
+
+Results of other machines (e.g. a GPU run, `bench/results/*-gpu.md`) are kept and included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+HEADER = """# Benchmarks
+
+Figures measured with the project's own bench commands (`make bench`, or the command printed under each table),
+on the machine named in each section. Speed is measured here, never asserted by a test. Timings on shared
+2-core machines are noisy (up to 2x): each figure is a median, and ratios are taken within one run.
+"""
+
+
+def assemble() -> None:
+    parts = [HEADER]
+    for f in sorted(RESULTS.glob("*.md")):
+        parts.append(f.read_text().rstrip() + "\n")
+    (ROOT / "BENCHMARKS.md").write_text("\n".join(parts))
+    print(f"wrote {ROOT / 'BENCHMARKS.md'}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--assemble", action="store_true", help="only rebuild BENCHMARKS.md")
+    args = ap.parse_args()
+    if not args.assemble:
+        for script in ("bench_engine.py", "bench_encode.py"):
+            path = ROOT / "bench" / script
+            if path.exists():
+                print(f"== {script}", flush=True)
+                subprocess.run([sys.executable, str(path)], check=True, cwd=ROOT)
+    assemble()
+
+
+if __name__ == "__main__":
+    main()

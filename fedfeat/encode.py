@@ -1,0 +1,509 @@
+"""Stage 1: images and class prompts through a frozen open_clip model into a feature store.
+
+``encode`` reads a dataset from disk (``fedfeat.datasets``), builds the model (``fedfeat.clipcompat``) and
+fills a ``FeatureStore`` at ``OUT/<dataset>/<backbone>-<weights>.zarr``:
+
+- image features of every split, unnormalised, float16, written one whole chunk at a time and recorded as
+  done; class-prompt features ``[T, K, D]`` for every template; the model's ``exp(logit_scale)``;
+- **resumable**: a run killed at any point and started again only encodes the chunks not yet done, and ends
+  with the same bytes as an uninterrupted run (a chunk is always encoded in the same batches, starting at
+  the chunk's first row, whatever else runs in the process); the ``complete`` flag is set last;
+- **fingerprinted**: a complete store with the same fingerprint (dataset files' names and sizes, backbone
+  config, weights tag or file hash, preprocessing, templates, precision, format version) is left alone;
+  a different fingerprint at the same path needs ``force``;
+- **distributed**: under ``torchrun`` (or with ``distributed=True``), rank ``r`` encodes the pending chunks
+  ``r, r + world, ...``; rank 0 creates the store before a barrier and, after a second barrier, records
+  skipped images, then sets the complete flag. gloo on CPU, NCCL on GPUs. Ranks never share a chunk.
+
+Unreadable images fail with their path, or with ``skip_bad`` get an all-zero feature row; when the store is
+finished those rows get label -1 and their names are listed in the ``skipped`` attribute.
+
+Example::
+
+    >>> path = encode("cifar10", "~/data/cifar-10-batches-py", "RN50", out="cache")   # pretrained="openai"
+    >>> str(path)
+    'cache/cifar10/RN50-openai.zarr'
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedfeat import clipcompat
+from fedfeat.datasets import ImageDataset, UnreadableImage, open_dataset
+from fedfeat.errors import FedfeatError
+from fedfeat.store import FORMAT_VERSION, FeatureStore, fingerprint_hash, is_store
+from fedfeat.templates import fill, resolve_templates
+
+ENCODER_VERSION = 1  # bump when the encoding procedure changes what lands in a store
+TEXT_BATCH = 256  # prompts per text forward (fixed, so text features never depend on --batch-size)
+_SLEEP_ENV = "FEDFEAT_TEST_CHUNK_SLEEP"  # seconds to pause after each chunk: lets crash tests kill mid-run
+
+
+# ---------------------------------------------------------------------------------------- naming
+def _safe(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._+-]+", "_", s).strip("._") or "x"
+
+
+def store_path(out: str | Path, dataset: str, backbone: str, weights: str) -> Path:
+    """Where ``encode`` puts a store: ``OUT/<dataset>/<backbone>-<weights>.zarr`` (names sanitised).
+
+    Example::
+
+        >>> store_path("cache", "cifar10", "ViT-B-32", "openai")
+        PosixPath('cache/cifar10/ViT-B-32-openai.zarr')
+    """
+    label = Path(weights).stem if Path(weights).suffix in clipcompat.CHECKPOINT_SUFFIXES else weights
+    return Path(out).expanduser() / _safe(dataset) / f"{_safe(backbone)}-{_safe(label)}.zarr"
+
+
+def _dataset_name(dataset: str, root: Path, name: str | None) -> str:
+    if name:
+        return name
+    if dataset in ("imagefolder", "listfile"):  # generic formats: name the store after the data's folder
+        return root.expanduser().resolve().name or dataset
+    return dataset
+
+
+# ---------------------------------------------------------------------------------------- distributed
+@dataclass
+class _Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    owns_group: bool = False  # we initialised the process group (and destroy it)
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    def barrier(self) -> None:
+        if self.active:
+            torch.distributed.barrier()
+
+    def broadcast(self, obj):
+        """``obj`` of rank 0 on every rank."""
+        if not self.active:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def close(self) -> None:
+        if self.owns_group and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _init_dist(distributed: bool | None, device: str) -> tuple[_Dist, torch.device]:
+    env_world = int(os.environ.get("WORLD_SIZE", "1"))
+    want = env_world > 1 if distributed is None else (distributed or env_world > 1)
+    if not want:
+        return _Dist(), clipcompat.resolve_device(device)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # called as a library inside a running job
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        return _Dist(dist.get_rank(), dist.get_world_size(), local), clipcompat.resolve_device(device, local)
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise FedfeatError(
+            f"--distributed needs the torchrun environment ({', '.join(missing)} unset); launch with "
+            "`torchrun --nproc-per-node N -m fedfeat encode ...`"
+        )
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = clipcompat.resolve_device(device, local)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    # Ranks wait for each other at the end (unequal shares, text on one rank): allow long waits; torchrun
+    # tears the whole job down if one rank fails, so nobody waits for a dead peer.
+    kw = {"device_id": dev} if dev.type == "cuda" else {}
+    dist.init_process_group(backend, timeout=datetime.timedelta(hours=12), **kw)
+    return _Dist(dist.get_rank(), dist.get_world_size(), local, owns_group=True), dev
+
+
+# ---------------------------------------------------------------------------------------- data loading
+class _Rows(torch.utils.data.Dataset):
+    """Map-style dataset over ``(split, row)`` keys -> ``(image [3, H, W] or None, error message)``."""
+
+    def __init__(self, ds: ImageDataset, transform):
+        self.ds = ds
+        self.transform = transform
+
+    def __getitem__(self, key):
+        split, i = key
+        try:
+            return self.transform(self.ds.load_image(split, i)), ""
+        except UnreadableImage as e:
+            return None, str(e)
+
+
+def _collate(items, size: tuple[int, int]):
+    """Stack images (zeros for unreadable ones) -> ``([B, 3, H, W], [B] error messages)``."""
+    imgs = [x if x is not None else torch.zeros(3, *size) for x, _ in items]
+    return torch.stack(imgs), [e for _, e in items]
+
+
+def _batches(st: FeatureStore, chunks: list[tuple[str, int]], batch_size: int) -> list[list[tuple[str, int]]]:
+    """Batches of ``(split, row)``: each chunk cut at the same boundaries, whichever chunks run together."""
+    out = []
+    for split, i in chunks:
+        sl = st.chunk_slice(split, i)
+        for s in range(sl.start, sl.stop, batch_size):
+            out.append([(split, r) for r in range(s, min(s + batch_size, sl.stop))])
+    return out
+
+
+# ---------------------------------------------------------------------------------------- progress
+def _progress(enabled: bool, console):
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        ProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+    from rich.text import Text
+
+    class _Rate(ProgressColumn):
+        def render(self, task):
+            return Text(f"{task.speed:.1f} img/s" if task.speed else "- img/s")
+
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        _Rate(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not enabled,
+        transient=False,
+    )
+
+
+# ---------------------------------------------------------------------------------------- store decisions
+def _diff_keys(a: dict, b: dict) -> list[str]:
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+def _half_created(path: Path) -> bool:
+    """A directory left by a run killed inside ``FeatureStore.create`` (a zarr group without our attrs)."""
+    meta = path / "zarr.json"
+    try:
+        doc = json.loads(meta.read_text())
+    except (OSError, ValueError):
+        return False
+    return doc.get("node_type") == "group" and "format_version" not in doc.get("attributes", {})
+
+
+def _decide(path: Path, fingerprint: dict, force: bool) -> str:
+    """``"create"``, ``"recreate"``, ``"resume"`` or ``"done"`` for the store at ``path`` (rank 0 only)."""
+    if not path.exists():
+        return "create"
+    if force:
+        return "recreate"
+    if not is_store(path):
+        if _half_created(path):
+            return "recreate"
+        raise FedfeatError(
+            f"{path} exists and is not a fedfeat store; move it away or pass --force to replace it"
+        )
+    st = FeatureStore.open(path, mode="r", allow_incomplete=True)
+    if st.attrs.get("fingerprint_hash") == fingerprint_hash(fingerprint):
+        return "done" if st.complete else "resume"
+    what = ", ".join(_diff_keys(st.fingerprint, fingerprint)) or "contents"
+    state = "a complete" if st.complete else "an unfinished"
+    raise FedfeatError(
+        f"{path} holds {state} store made with different settings ({what} differ); "
+        "pass --force to rebuild it, or --out/--name for another location"
+    )
+
+
+# ---------------------------------------------------------------------------------------- main entry
+def encode(
+    dataset: str,
+    root: str | Path,
+    backbone: str,
+    pretrained: str | None = None,
+    *,
+    templates: str | list[str] | None = None,
+    out: str | Path = "cache",
+    name: str | None = None,
+    batch_size: int = 64,
+    workers: int | None = None,
+    device: str = "auto",
+    precision: str = "fp32",
+    force: bool = False,
+    skip_bad: bool = False,
+    chunk_rows: int | None = None,
+    distributed: bool | None = None,
+    cache_dir: str | Path | None = None,
+    probe_timeout: float = 5.0,
+    autocast: bool = False,
+    console=None,
+    stats: dict | None = None,
+) -> Path:
+    """Encode dataset ``dataset`` at ``root`` with open_clip ``backbone`` / ``pretrained`` into a feature
+    store and return its path (``OUT/<dataset>/<backbone>-<weights>.zarr``).
+
+    ``templates``: a set name (``single``, ``cifar``, ``imagenet``), a template file, a template with ``{}``,
+    or a list of those (concatenated, duplicates dropped). ``workers``: DataLoader processes (default 0 on
+    CPU, where decoding is ~1% of the model's time, and up to 8 per GPU). ``chunk_rows``: rows per feature
+    chunk of a new store (default: 1 MiB chunks). ``distributed``: None = follow torchrun's environment.
+    ``autocast``: run bf16/fp16 by autocast instead of casting the weights (see ``bench/bench_encode.py``).
+    ``stats``: a dict to receive this rank's timings (``images``, ``image_seconds`` for reading, decoding,
+    preprocessing, encoding and writing the chunks, ``model_seconds``, ``text_seconds``, ``total_seconds``).
+
+    Example::
+
+        >>> encode("cifar100", "data/cifar-100-python", "ViT-B/32", templates="cifar", precision="bf16")
+        PosixPath('cache/cifar100/ViT-B-32-openai.zarr')
+    """
+    from rich.console import Console
+
+    t_start = time.perf_counter()
+    stats = {} if stats is None else stats
+    if batch_size < 1:
+        raise FedfeatError(f"--batch-size must be >= 1, got {batch_size}")
+    if chunk_rows is not None and chunk_rows < 1:
+        raise FedfeatError(f"--chunk-rows must be >= 1, got {chunk_rows}")
+    if precision not in clipcompat.PRECISIONS:
+        raise FedfeatError(f"unknown precision '{precision}'; use one of {', '.join(clipcompat.PRECISIONS)}")
+    dist_ctx, dev = _init_dist(distributed, device)
+    console = console or Console(stderr=True)
+
+    def say_all(msg: str) -> None:
+        console.print(msg, markup=False, highlight=False, soft_wrap=True)
+
+    def say(msg: str) -> None:  # rank 0 speaks for the job
+        if dist_ctx.rank == 0:
+            say_all(msg)
+
+    try:
+        clipcompat.check_precision(precision, dev)
+        root = Path(root).expanduser()
+        ds = open_dataset(dataset, root)
+        specs = [templates] if templates is None or isinstance(templates, str) else list(templates)
+        tmpl = list(dict.fromkeys(t for s in (specs or [None]) for t in resolve_templates(s)))
+        bb = clipcompat.resolve_backbone(backbone)
+        weights = clipcompat.resolve_weights(bb, pretrained, cache_dir=cache_dir, probe_timeout=probe_timeout)
+        pp = clipcompat.preprocess_config(bb, weights)
+        fingerprint = {
+            "format_version": FORMAT_VERSION,
+            "encoder_version": ENCODER_VERSION,
+            "dataset": ds.fingerprint(),
+            "backbone": {"name": bb.name, "config_sha256": bb.config_sha256},
+            "weights": weights.fingerprint(),
+            "preprocessing": pp,
+            "templates": tmpl,
+            "precision": precision,
+        }
+        path = store_path(out, _dataset_name(dataset, root, name), bb.name, weights.label)
+
+        decision = None
+        if dist_ctx.rank == 0:
+            try:
+                decision = ("ok", _decide(path, fingerprint, force))
+            except FedfeatError as e:
+                decision = ("error", str(e))
+        decision = dist_ctx.broadcast(decision)
+        if decision[0] == "error":
+            raise FedfeatError(decision[1])
+        action = decision[1]
+        if action == "done":
+            say(
+                f"{path} is complete and matches (fingerprint {fingerprint_hash(fingerprint)}); nothing to do"
+            )
+            return path
+
+        t = time.perf_counter()
+        clip = clipcompat.load_model(
+            bb, weights, device=dev, precision=precision, autocast=autocast, cache_dir=cache_dir
+        )
+        stats["model_seconds"] = time.perf_counter() - t
+        if dist_ctx.rank == 0 and action in ("create", "recreate"):
+            say(f"creating {path} ({bb.name}, weights {weights.label}, {len(tmpl)} template(s), {precision})")
+            labels = {s: ds.labels(s) for s in ds.split_names}
+            FeatureStore.create(
+                path,
+                backbone=bb.name,
+                pretrained=weights.label,
+                embed_dim=bb.embed_dim,
+                logit_scale=clip.logit_scale,
+                class_names=ds.class_names,
+                templates=tmpl,
+                preprocessing={**pp, "transform": clipcompat.transform_description(clip.transform)},
+                fingerprint=fingerprint,
+                labels=labels,
+                chunk_rows=chunk_rows,
+                extra_attrs={
+                    "dataset": dataset,
+                    "precision": precision,
+                    "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                },
+                overwrite=action == "recreate",
+            )
+        dist_ctx.barrier()
+        st = FeatureStore.open(path, mode="r+", allow_incomplete=True)
+        if st.attrs.get("fingerprint_hash") != fingerprint_hash(fingerprint):
+            raise FedfeatError(
+                f"{path} changed while this run started (another `fedfeat encode` with other settings "
+                "writing the same store?); run one encode per store"
+            )
+        if action == "resume" and dist_ctx.rank == 0:
+            todo = {k: v for k, v in st.missing().items() if v}
+            say(f"resuming {path}: pending chunks {todo}")
+
+        # One list of pending chunks for all ranks, read before anyone writes (rank 0's view, broadcast).
+        pending = None
+        if dist_ctx.rank == 0:
+            pending = [(s, int(i)) for s in st.splits for i in np.flatnonzero(~st.done_chunks(s))]
+        pending = dist_ctx.broadcast(pending)
+        mine = pending[dist_ctx.rank :: dist_ctx.world]
+
+        # Text embeddings: one rank (the last, which gets the fewest image chunks).
+        t = time.perf_counter()
+        if dist_ctx.rank == dist_ctx.world - 1 and not st.text_done():
+            prompts = [fill(t, c) for t in tmpl for c in ds.class_names]
+            text = clip.encode_texts(prompts, batch_size=TEXT_BATCH)  # [T * K, D]
+            st.write_text(text.reshape(len(tmpl), len(ds.class_names), bb.embed_dim).numpy())
+
+        stats["text_seconds"] = time.perf_counter() - t
+        rank_tag = f"[rank {dist_ctx.rank}/{dist_ctx.world}] " if dist_ctx.active else ""
+        stats["images"], stats["image_seconds"] = _encode_chunks(
+            st,
+            ds,
+            clip,
+            mine,
+            batch_size,
+            _workers(workers, dev, dist_ctx),
+            skip_bad,
+            progress=dist_ctx.rank == 0 and console.is_terminal,
+            console=console,
+            say=say_all if dist_ctx.active else say,
+            rank_tag=rank_tag,
+        )
+
+        dist_ctx.barrier()
+        if dist_ctx.rank == 0:
+            skipped = _finish(st, ds)
+            if skipped:
+                say(
+                    f"skipped {sum(len(v) for v in skipped.values())} unreadable image(s): label -1, "
+                    "listed in the store's 'skipped' attribute"
+                )
+            st.mark_complete()
+            say(
+                f"{path} complete: {', '.join(f'{s} {st.n(s)}' for s in st.splits)} images, "
+                f"{len(tmpl)} x {len(ds.class_names)} prompts, D={bb.embed_dim}"
+            )
+        dist_ctx.barrier()
+        stats["total_seconds"] = time.perf_counter() - t_start
+        return path
+    finally:
+        dist_ctx.close()
+
+
+def _workers(workers: int | None, dev: torch.device, dist_ctx: _Dist) -> int:
+    if workers is not None:
+        if workers < 0:
+            raise FedfeatError(f"--workers must be >= 0, got {workers}")
+        return workers
+    if dev.type == "cpu":
+        return 0
+    per_rank = max(
+        1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", dist_ctx.world)))
+    )
+    return min(8, per_rank)
+
+
+def _encode_chunks(
+    st, ds, clip, chunks, batch_size, workers, skip_bad, *, progress, console, say, rank_tag=""
+) -> tuple[int, float]:
+    """Encode ``chunks`` (list of ``(split, chunk index)``), writing each one whole; -> (images, seconds)."""
+    if not chunks:
+        if rank_tag:
+            say(f"{rank_tag}no chunks to encode")
+        return 0, 0.0
+    batches = _batches(st, chunks, batch_size)
+    loader = torch.utils.data.DataLoader(
+        _Rows(ds, clip.transform),
+        batch_sampler=batches,
+        num_workers=workers,
+        collate_fn=partial(_collate, size=clip.input_size),
+        pin_memory=clip.device.type == "cuda",
+    )
+    sleep = float(os.environ.get(_SLEEP_ENV, "0") or 0)
+    total = sum(len(b) for b in batches)
+    chunk_iter = iter(chunks)
+    split, ci = next(chunk_iter)
+    sl = st.chunk_slice(split, ci)
+    buf = np.zeros((sl.stop - sl.start, st.embed_dim), dtype=np.float32)  # [rows, D] of the current chunk
+    filled = 0
+    t0 = time.perf_counter()
+    with _progress(progress, console) as bar:
+        task = bar.add_task("encode", total=total)
+        for images, errors in loader:  # images  # [B, 3, H, W]
+            bad = [k for k, e in enumerate(errors) if e]
+            if bad and not skip_bad:
+                raise FedfeatError(errors[bad[0]])
+            feats = clip.encode_images(images).numpy()  # [B, D] float32
+            if bad:  # an all-zero row marks an unreadable image (label -1 when the store completes)
+                feats[bad] = 0.0
+            buf[filled : filled + len(feats)] = feats
+            filled += len(feats)
+            bar.advance(task, len(feats))
+            if filled == len(buf):
+                st.write_chunk(split, ci, buf)
+                if sleep:
+                    time.sleep(sleep)
+                nxt = next(chunk_iter, None)
+                if nxt is not None:
+                    split, ci = nxt
+                    sl = st.chunk_slice(split, ci)
+                    buf = np.zeros((sl.stop - sl.start, st.embed_dim), dtype=np.float32)
+                    filled = 0
+    dt = time.perf_counter() - t0
+    if not progress or rank_tag:
+        say(
+            f"{rank_tag}encoded {total} images ({len(chunks)} chunks) in {dt:.1f} s "
+            f"({total / max(dt, 1e-9):.1f} img/s)"
+        )
+    return total, dt
+
+
+def _finish(st: FeatureStore, ds: ImageDataset) -> dict[str, list[str]]:
+    """Label the all-zero rows (unreadable images skipped by any rank) -1 and list them; idempotent."""
+    skipped: dict[str, list[str]] = {}
+    for split in st.splits:
+        feats = st.features(split)  # [N, D] float16
+        bad = np.flatnonzero(~feats.any(axis=1))
+        if len(bad):
+            labels = st.labels(split)
+            labels[bad] = -1
+            st.set_labels(split, slice(0, len(labels)), labels)
+            skipped[split] = [ds.item_name(split, int(i)) for i in bad]
+    st.update_attrs(skipped=skipped)
+    return skipped
+
+
+def pending_rows(st: FeatureStore) -> int:
+    """Rows still to encode in a store (for messages and tests)."""
+    return sum(
+        st.chunk_slice(s, int(i)).stop - st.chunk_slice(s, int(i)).start
+        for s in st.splits
+        for i in np.flatnonzero(~st.done_chunks(s))
+    )
