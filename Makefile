@@ -29,7 +29,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 install: $(VENV)/.installed ## create .venv and install fedfeat (torch first, pinned) with its dev tools
 
 test: install ## run the test suite (fast, CPU, offline)
-	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=2 $(PY) -m pytest
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest
 
 test-all: install ## run every test, the slow ones too
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -m ''
