@@ -139,6 +139,15 @@ def make_plan(ctx: Context, rnd: int, clients: np.ndarray, batch_size: int, epoc
     return RoundPlan(rnd, c[order], sizes[order], steps[order], batch_size, epochs)
 
 
+def plan_rows(ctx: Context, plan: RoundPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The plan's samples, client after client: ``seg  # [M]`` client slot, ``local  # [M]`` index within
+    the client, ``pos  # [M]`` client-major position (all int64, cpu)."""
+    sizes = plan.sizes
+    seg = torch.repeat_interleave(torch.arange(plan.m), sizes)
+    local = torch.arange(int(sizes.sum())) - torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
+    return seg, local, ctx.offsets[plan.clients][seg] + local
+
+
 def epoch_tables(ctx: Context, plan: RoundPlan, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Shuffled mini-batch positions for one epoch: ``idx  # [S, m, B]`` (int64) and ``mask  # [S, m, B]``.
 
@@ -146,11 +155,7 @@ def epoch_tables(ctx: Context, plan: RoundPlan, epoch: int) -> tuple[torch.Tenso
     in that order goes to step ``r // B``, slot ``r % B`` (the last batch is smaller: ``drop_last=False``).
     """
     B = plan.batch_size
-    starts = ctx.offsets[plan.clients]  # [m]
-    sizes = plan.sizes
-    seg = torch.repeat_interleave(torch.arange(plan.m), sizes)  # [M] client slot of each item
-    local = torch.arange(int(sizes.sum())) - torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
-    pos = starts[seg] + local  # [M] client-major positions
+    seg, local, pos = plan_rows(ctx, plan)  # [M] client slot, index within client, client-major position
     key = rng.uniform_keys(rng.stream_key(ctx.seed, plan.rnd, epoch, rng.TAG_SHUFFLE), pos)
     # sort by (segment, key): segment-major composite sort, keys are < 2^62 so sort keys then stable by seg
     o1 = torch.argsort(key, stable=True)

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from fedfeat import rng
-from fedfeat.engine import Context, RoundPlan, masked_mean
+from fedfeat.engine import Context, RoundPlan, masked_mean, plan_rows
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import register
 from fedfeat.methods.linear import LinearHead, LinearHeadParams
@@ -103,13 +103,7 @@ class FSTCBDG(LinearHead):
     # ------------------------------------------------------------------ local update
     def local_begin(self, ctx: Context, plan: RoundPlan, glob: dict) -> dict:
         m, K = plan.m, ctx.K
-        starts = ctx.offsets[plan.clients]
-        seg = torch.repeat_interleave(torch.arange(m), plan.sizes)
-        rows = (
-            starts[seg]
-            + torch.arange(int(plan.sizes.sum()))
-            - torch.repeat_interleave(torch.cumsum(plan.sizes, 0) - plan.sizes, plan.sizes)
-        )
+        seg, _, rows = plan_rows(ctx, plan)
         hard = ctx.state["q"][rows.to(ctx.device)].argmax(1).cpu()
         counts = torch.zeros(m, K, dtype=torch.int64).index_put_(
             (seg, hard), torch.ones_like(hard), accumulate=True
@@ -243,13 +237,7 @@ class FSTCBDG(LinearHead):
         return out
 
     def local_end(self, ctx: Context, plan: RoundPlan, local: dict, params: dict) -> None:
-        starts = ctx.offsets[plan.clients]
-        seg = torch.repeat_interleave(torch.arange(plan.m), plan.sizes)
-        rows = (
-            starts[seg]
-            + torch.arange(int(plan.sizes.sum()))
-            - torch.repeat_interleave(torch.cumsum(plan.sizes, 0) - plan.sizes, plan.sizes)
-        )
+        _, _, rows = plan_rows(ctx, plan)
         prev = ctx.state.get("last_rows")
         if prev is not None and ctx.state.get("last_round") == plan.rnd:
             rows = torch.cat([prev.cpu(), rows])  # loop engine: one client at a time
