@@ -194,7 +194,9 @@ def run_local(
     labels = ctx.labels
     D = ctx.feats.shape[1]
     xbuf = torch.empty(m * plan.batch_size, D, dtype=ctx.feats.dtype, device=ctx.device)
-    loss_sum = torch.zeros((), dtype=torch.float64)
+    loss_sum = torch.zeros(
+        (), dtype=torch.float64, device=ctx.device
+    )  # summed on the device: no sync per step
     loss_n = 0
     for epoch in range(plan.epochs):
         idx, mask = epoch_tables(ctx, plan, epoch)
@@ -211,7 +213,7 @@ def run_local(
             names = list(p)
             grads = torch.autograd.grad(loss.sum(), [p[k] for k in names])
             opt.step(params, dict(zip(names, grads)), n)
-            loss_sum += loss.detach().double().sum().cpu()
+            loss_sum += loss.detach().double().sum()
             loss_n += n
     method.local_end(ctx, plan, local, params)
     return params, {"loss_sum": float(loss_sum), "loss_steps": loss_n}
@@ -279,7 +281,9 @@ def evaluate(method, ctx: Context, glob: dict, test_y: torch.Tensor, n_classes: 
     logits = method.predict(ctx, glob, ctx.test_x)
     pred = logits.argmax(1)
     correct = (pred == test_y).to(torch.float64)
-    per_class = torch.zeros(n_classes, dtype=torch.float64).index_add_(0, test_y, correct)
+    per_class = torch.zeros(n_classes, dtype=torch.float64, device=test_y.device).index_add_(
+        0, test_y, correct
+    )
     cnt = torch.bincount(test_y, minlength=n_classes).to(torch.float64)
     pc = (per_class / cnt.clamp_min(1)).tolist()
     return {"acc": float(correct.mean()) * 100, "per_class_acc": [100 * v for v in pc], "pred": pred}

@@ -52,15 +52,21 @@ def plot_curves(
 ) -> None:
     """One line per run: ``curves[label] = (rounds, values)``."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for label, (xs, ys) in curves.items():
-        ax.plot(xs, ys, marker="o" if len(xs) <= 30 else None, markersize=3, label=label)
+    many = len(curves) > 4
+    fig, ax = plt.subplots(figsize=(9.5 if many else 6.4, 4.2))
+    cmap = plt.get_cmap("tab20" if len(curves) > 10 else "tab10")
+    for i, (label, (xs, ys)) in enumerate(curves.items()):
+        ax.plot(
+            xs, ys, marker="o" if len(xs) <= 30 else None, markersize=3, label=label, color=cmap(i % cmap.N)
+        )
     ax.set_xlabel("round")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     if title:
         ax.set_title(title)
-    if len(curves) > 1:
+    if many:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    elif len(curves) > 1:
         ax.legend(fontsize=7, loc="best")
     _save(fig, path)
     plt.close(fig)

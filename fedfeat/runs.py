@@ -344,8 +344,8 @@ def report(paths: list[Path], *, fmt: str = "markdown", plot: Path | None = None
         rows.append(row)
     if plot is not None:
         curves = {}
-        for s, m, p in runs:
-            label = f"{s['method']} {s['partition']}"
+        for (s, m, p), row in zip(runs, rows):
+            label = f"{s['method']}" + (f" [{row[1]}]" if row[1] != "-" else "") + f" | {s['partition']}"
             if label in curves:
                 label += f" ({Path(p).name[-24:]})"
             curves[label] = ([r["round"] for r in m], [r["test_acc"] for r in m])
