@@ -73,10 +73,16 @@ def register(app: typer.Typer) -> None:
         ] = "auto",
         precision: Annotated[
             str,
-            typer.Option(help="fp32, bf16 (weights cast to bf16, LayerNorm in fp32) or fp16 (CUDA only)."),
+            typer.Option(
+                help="fp32, bf16 (weights cast to bf16, LayerNorm in fp32; on CPU needs AVX-512/AMX) "
+                "or fp16 (CUDA only)."
+            ),
         ] = "fp32",
         force: Annotated[
-            bool, typer.Option("--force", help="Rebuild a store made with different settings.")
+            bool,
+            typer.Option(
+                "--force", help="Rebuild the store even if it exists (needed when its settings differ)."
+            ),
         ] = False,
         skip_bad: Annotated[
             bool,

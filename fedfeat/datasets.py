@@ -9,7 +9,7 @@ Formats (``open_dataset(name, root)``):
                 class names from ``meta`` (``fine_label_names``)
 ``cinic10``     CINIC-10: ImageFolder trees ``train/``, ``valid/``, ``test/`` with one folder per class
 ``imagefolder`` any ``root/<split>/<class>/<image>`` tree (the class set is the union over the splits)
-``listfile``    ``<split>.txt`` (or ``<prefix>_<split>.txt``, e.g. ``ImageNet_LT_train.txt``) files of
+``listfile``    ``<split>.txt`` (or ``<prefix>_<split>.txt`` such as ``ImageNet_LT_train.txt``) files of
                 ``relative/path label`` lines, images resolved against ``root``, plus ``classnames.txt``
                 (or ``class_names.txt``): one class name per line in label order; a leading label number or
                 WordNet id (``n01440764 tench``) on every line is dropped
@@ -404,13 +404,21 @@ class Cinic10(ImageFolder):
     layout = "the CINIC-10 folder with train/, valid/, test/, each holding one folder per class of PNGs"
 
 
+def _list_split_name(stem: str) -> str:
+    """``train`` from ``train``, ``ImageNet_LT_train`` or ``train_list``: the last ``_``-part that is a known
+    split name, else the last ``_``-part (``ImageNet_LT_open`` -> ``open``)."""
+    parts = stem.lower().split("_")
+    known = [x for x in parts if x in _SPLIT_ORDER]
+    return known[-1] if known else parts[-1]
+
+
 class ListFile(_FileDataset):
     """``<split>.txt`` lists of ``path label`` lines and a class-name file (ImageNet-LT, CPL/CoOp bundles)."""
 
     format = "listfile"
     name_files = ("classnames.txt", "class_names.txt")
     layout = (
-        "root/<split>.txt (or <prefix>_<split>.txt) with 'relative/path label' lines, "
+        "root/<split>.txt (or <prefix>_<split>.txt, <split>_list.txt) with 'relative/path label' lines, "
         "images relative to root, "
         "and root/classnames.txt with one class name per line in label order"
     )
@@ -429,7 +437,7 @@ class ListFile(_FileDataset):
         lists = sorted(p for p in root.glob("*.txt") if p.name not in self.name_files)
         by_split: dict[str, Path] = {}
         for p in lists:
-            split = p.stem.rsplit("_", 1)[-1].lower()
+            split = _list_split_name(p.stem)
             if split in by_split:
                 raise FedfeatError(
                     f"{self.format}: {by_split[split].name} and {p.name} both give split '{split}'; "

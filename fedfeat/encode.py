@@ -10,7 +10,8 @@ fills a ``FeatureStore`` at ``OUT/<dataset>/<backbone>-<weights>.zarr``:
   the chunk's first row, whatever else runs in the process); the ``complete`` flag is set last;
 - **fingerprinted**: a complete store with the same fingerprint (dataset files' names and sizes, backbone
   config, weights tag or file hash, preprocessing, templates, precision, format version) is left alone;
-  a different fingerprint at the same path needs ``force``;
+  a different fingerprint at the same path needs ``force`` (which always rebuilds); an unfinished store
+  with the same fingerprint is resumed;
 - **distributed**: under ``torchrun`` (or with ``distributed=True``), rank ``r`` encodes the pending chunks
   ``r, r + world, ...``; rank 0 creates the store before a barrier and, after a second barrier, records
   skipped images, then sets the complete flag. gloo on CPU, NCCL on GPUs. Ranks never share a chunk.
@@ -378,6 +379,7 @@ def encode(
         t = time.perf_counter()
         if dist_ctx.rank == dist_ctx.world - 1 and not st.text_done():
             prompts = [fill(t, c) for t in tmpl for c in ds.class_names]
+            say_all(f"encoding {len(prompts)} class prompts ({len(tmpl)} templates x {len(ds.class_names)})")
             text = clip.encode_texts(prompts, batch_size=TEXT_BATCH)  # [T * K, D]
             st.write_text(text.reshape(len(tmpl), len(ds.class_names), bb.embed_dim).numpy())
 
@@ -498,12 +500,3 @@ def _finish(st: FeatureStore, ds: ImageDataset) -> dict[str, list[str]]:
             skipped[split] = [ds.item_name(split, int(i)) for i in bad]
     st.update_attrs(skipped=skipped)
     return skipped
-
-
-def pending_rows(st: FeatureStore) -> int:
-    """Rows still to encode in a store (for messages and tests)."""
-    return sum(
-        st.chunk_slice(s, int(i)).stop - st.chunk_slice(s, int(i)).start
-        for s in st.splits
-        for i in np.flatnonzero(~st.done_chunks(s))
-    )

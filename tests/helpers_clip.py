@@ -1,0 +1,404 @@
+"""Test helpers for the encode stage: a tiny open_clip model and fixture datasets in every supported format.
+
+Nothing here downloads anything. The tiny model (a ViT of width 64, 2 layers, 32-px images, embed dim 32) is
+built with random weights and saved to a file, which the tests pass as ``--pretrained FILE``.
+
+Run as a script (``python tests/helpers_clip.py encode ...``), this module stands in for ``python -m fedfeat``
+while ``fedfeat/cli.py`` does not exist yet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import struct
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_NAME = "fedfeat-tiny-vit"
+TINY_CFG = {
+    "embed_dim": 32,
+    "vision_cfg": {
+        "image_size": 32,
+        "layers": 2,
+        "width": 64,
+        "head_width": 32,
+        "patch_size": 8,
+        "mlp_ratio": 2,
+    },
+    "text_cfg": {
+        "context_length": 77,
+        "vocab_size": 49408,
+        "width": 64,
+        "heads": 2,
+        "layers": 2,
+        "mlp_ratio": 2,
+    },
+}
+CIFAR10_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+# ---------------------------------------------------------------------------------------- CLI access
+def have_main_cli() -> bool:
+    return (REPO / "fedfeat" / "cli.py").is_file()
+
+
+def cli_app():
+    """``fedfeat.cli.app`` when it exists, else a local app with ``encode`` registered (plus a dummy command,
+    since a one-command typer app would run it without its name)."""
+    if have_main_cli():
+        from fedfeat.cli import app
+
+        return app
+    import typer
+
+    from fedfeat.cli_encode import register
+
+    app = typer.Typer()
+    register(app)
+
+    @app.command("noop")
+    def _noop() -> None:
+        """placeholder"""
+
+    return app
+
+
+def run_cli(args: list[str]):
+    """Run the CLI in-process with ``typer.testing.CliRunner``; returns the click ``Result``."""
+    from typer.testing import CliRunner
+
+    return CliRunner().invoke(cli_app(), [str(a) for a in args])
+
+
+def cli_error_text(result) -> str:
+    """The user-facing error of a failed CLI run: the main app prints one line and exits 2; the stand-in app
+    lets the ``FedfeatError`` escape into ``result.exception``."""
+    from fedfeat.errors import FedfeatError
+
+    if isinstance(result.exception, FedfeatError):
+        return str(result.exception)
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    return result.output
+
+
+def cli_argv() -> list[str]:
+    """argv prefix that runs the CLI in a fresh interpreter (``python -m fedfeat`` once it exists)."""
+    if have_main_cli():
+        return [sys.executable, "-m", "fedfeat"]
+    return [sys.executable, str(Path(__file__).resolve())]
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["HF_HUB_OFFLINE"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_subprocess(args: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        cli_argv() + [str(a) for a in args],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        **kw,
+    )
+
+
+# ---------------------------------------------------------------------------------------- tiny model
+@dataclass(frozen=True)
+class TinyClip:
+    config: Path  # JSON model config (registered under TINY_NAME)
+    weights: Path  # safetensors of its random weights
+    weights_pt: Path  # the same weights via torch.save
+
+
+def make_tiny_clip(d: Path) -> TinyClip:
+    """Write the tiny config and random weights (seeded) under ``d``."""
+    import torch
+    from safetensors.torch import save_file
+
+    from fedfeat.clipcompat import import_open_clip
+
+    oc = import_open_clip()
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = d / f"{TINY_NAME}.json"
+    cfg.write_text(json.dumps(TINY_CFG))
+    oc.add_model_config(cfg)
+    torch.manual_seed(1234)
+    model = oc.create_model(TINY_NAME)
+    with torch.no_grad():  # a logit scale other than the init's, to see it stored
+        model.logit_scale.fill_(np.log(50.0))
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(sd, str(d / "tiny.safetensors"))
+    torch.save(sd, d / "tiny.pt")
+    return TinyClip(cfg, d / "tiny.safetensors", d / "tiny.pt")
+
+
+def reference_model(tc: TinyClip):
+    """(model, eval transform, tokenizer) built by open_clip itself from the saved weights."""
+    from fedfeat.clipcompat import import_open_clip
+
+    oc = import_open_clip()
+    oc.add_model_config(tc.config)
+    model, _, preprocess = oc.create_model_and_transforms(TINY_NAME, pretrained=str(tc.weights))
+    model.eval()
+    return model, preprocess, oc.get_tokenizer(TINY_NAME)
+
+
+# ---------------------------------------------------------------------------------------- CIFAR pickles
+class _Py2Pickler(pickle._Pickler):
+    """Writes pickles the way Python 2's cPickle wrote the CIFAR files: protocol 2, byte strings as BINSTRING
+    (not Python 3's ``_codecs.encode`` calls), numpy's ``_reconstruct`` under ``numpy.core.multiarray``."""
+
+    dispatch = pickle._Pickler.dispatch.copy()
+
+    def save_py2_str(self, obj: bytes) -> None:
+        n = len(obj)
+        self.write(
+            (pickle.SHORT_BINSTRING + bytes([n]) if n < 256 else pickle.BINSTRING + struct.pack("<i", n))
+            + obj
+        )
+        self.memoize(obj)
+
+    dispatch[bytes] = save_py2_str
+
+    def save_global(self, obj, name=None):
+        if getattr(obj, "__name__", "") == "_reconstruct":
+            self.write(pickle.GLOBAL + b"numpy.core.multiarray\n_reconstruct\n")
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+
+def _dump(obj, path: Path, protocol: int | str) -> None:
+    with open(path, "wb") as f:
+        if protocol == "py2":
+            _Py2Pickler(f, protocol=2).dump(obj)
+        else:
+            pickle.dump(obj, f, protocol=protocol)
+
+
+@dataclass
+class CifarFixture:
+    root: Path
+    images: dict[str, np.ndarray]  # split -> [N, 32, 32, 3] uint8
+    labels: dict[str, np.ndarray]  # split -> [N] int64
+    class_names: list[str]
+
+
+def write_cifar10(
+    root: Path, n_train: int = 40, n_test: int = 12, protocol: int | str = "py2", seed: int = 0
+):
+    """A CIFAR-10 "python version" folder at ``root`` (5 train batches + test batch + batches.meta)."""
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    images = {
+        "train": rng.integers(0, 256, (n_train, 32, 32, 3), dtype=np.uint8),
+        "test": rng.integers(0, 256, (n_test, 32, 32, 3), dtype=np.uint8),
+    }
+    labels = {s: rng.integers(0, 10, len(x)).astype(np.int64) for s, x in images.items()}
+    flat = {s: x.transpose(0, 3, 1, 2).reshape(len(x), 3072) for s, x in images.items()}
+    parts = np.array_split(np.arange(n_train), 5)
+    for b, idx in enumerate(parts, start=1):
+        _dump(
+            {
+                b"batch_label": f"training batch {b} of 5".encode(),
+                b"labels": [int(v) for v in labels["train"][idx]],
+                b"data": flat["train"][idx],
+                b"filenames": [f"img_{i}.png".encode() for i in idx],
+            },
+            root / f"data_batch_{b}",
+            protocol,
+        )
+    _dump(
+        {
+            b"batch_label": b"testing batch 1 of 1",
+            b"labels": [int(v) for v in labels["test"]],
+            b"data": flat["test"],
+            b"filenames": [f"t_{i}.png".encode() for i in range(n_test)],
+        },
+        root / "test_batch",
+        protocol,
+    )
+    _dump(
+        {
+            b"num_cases_per_batch": 10000,
+            b"label_names": [n.encode() for n in CIFAR10_NAMES],
+            b"num_vis": 3072,
+        },
+        root / "batches.meta",
+        protocol,
+    )
+    return CifarFixture(root, images, labels, list(CIFAR10_NAMES))
+
+
+def write_cifar100(
+    root: Path, n_train: int = 30, n_test: int = 10, protocol: int | str = "py2", seed: int = 1
+):
+    """A CIFAR-100 "python version" folder (train, test, meta) with 100 fine classes (a few with ``_``)."""
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    fine = [f"class_{k:02d}" for k in range(100)]
+    fine[1] = "aquarium_fish"
+    images = {
+        "train": rng.integers(0, 256, (n_train, 32, 32, 3), dtype=np.uint8),
+        "test": rng.integers(0, 256, (n_test, 32, 32, 3), dtype=np.uint8),
+    }
+    labels = {s: rng.integers(0, 100, len(x)).astype(np.int64) for s, x in images.items()}
+    for s, x in images.items():
+        _dump(
+            {
+                b"filenames": [f"{s}_{i}.png".encode() for i in range(len(x))],
+                b"batch_label": s.encode(),
+                b"fine_labels": [int(v) for v in labels[s]],
+                b"coarse_labels": [int(v) // 5 for v in labels[s]],
+                b"data": x.transpose(0, 3, 1, 2).reshape(len(x), 3072),
+            },
+            root / s,
+            protocol,
+        )
+    _dump(
+        {
+            b"fine_label_names": [n.encode() for n in fine],
+            b"coarse_label_names": [f"super_{k}".encode() for k in range(20)],
+        },
+        root / "meta",
+        protocol,
+    )
+    return CifarFixture(root, images, labels, [n.replace("_", " ") for n in fine])
+
+
+# ---------------------------------------------------------------------------------------- image files
+@dataclass
+class FilesFixture:
+    root: Path
+    paths: dict[str, list[Path]]  # split -> absolute image paths in dataset order
+    labels: dict[str, np.ndarray]
+    class_names: list[str]
+
+
+def _png(path: Path, rng: np.random.Generator, size: tuple[int, int] = (40, 30)) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(path)
+
+
+def write_imagefolder(
+    root: Path, splits: dict[str, int] | None = None, classes=("cat", "dog", "sea_lion"), seed: int = 2
+) -> FilesFixture:
+    """``root/<split>/<class>/<i>.png`` with ``splits[split]`` images per class (sizes vary)."""
+    rng = np.random.default_rng(seed)
+    splits = splits or {"train": 4, "test": 2}
+    paths: dict[str, list[Path]] = {}
+    labels: dict[str, np.ndarray] = {}
+    for split, per_class in splits.items():
+        ps, ys = [], []
+        for k, c in enumerate(sorted(classes)):
+            for i in range(per_class):
+                p = root / split / c / f"{i:03d}.png"
+                _png(p, rng, (int(rng.integers(20, 48)), int(rng.integers(20, 48))))
+                ps.append(p)
+                ys.append(k)
+        paths[split] = ps
+        labels[split] = np.asarray(ys, dtype=np.int64)
+    return FilesFixture(root, paths, labels, [c.replace("_", " ") for c in sorted(classes)])
+
+
+def write_listfile(root: Path, seed: int = 3) -> FilesFixture:
+    """ImageNet-LT-style lists: ``ImageNet_LT_train.txt`` / ``ImageNet_LT_test.txt`` with ``path label`` lines
+    and ``classnames.txt`` with WordNet ids (``n01440764 tench``)."""
+    rng = np.random.default_rng(seed)
+    names = [("n01440764", "tench"), ("n01443537", "goldfish"), ("n01484850", "great white shark")]
+    wn = {0: "n01440764", 1: "n01443537", 2: "n01484850"}
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "classnames.txt").write_text("".join(f"{a} {b}\n" for a, b in names))
+    paths: dict[str, list[Path]] = {}
+    labels: dict[str, np.ndarray] = {}
+    for split, ys in {"train": [0, 0, 0, 1, 1, 2, 0, 1], "test": [2, 1, 0]}.items():
+        lines, ps = [], []
+        for i, y in enumerate(ys):
+            rel = f"{split}/{wn[y]}/{wn[y]}_{i}.JPEG"
+            p = root / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(rng.integers(0, 256, (36, 44, 3), dtype=np.uint8)).save(
+                p, format="JPEG", quality=90
+            )
+            lines.append(f"{rel} {y}\n")
+            ps.append(p)
+        (root / f"ImageNet_LT_{split}.txt").write_text("".join(lines))
+        paths[split] = ps
+        labels[split] = np.asarray(ys, dtype=np.int64)
+    return FilesFixture(root, paths, labels, [b for _, b in names])
+
+
+def write_corrupt(path: Path) -> Path:
+    """A ``.png`` that is a truncated PNG (valid header, no image data)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    good = path.with_suffix(".tmp.png")
+    Image.fromarray(np.zeros((16, 16, 3), dtype=np.uint8) + 100).save(good)
+    path.write_bytes(good.read_bytes()[:40])
+    good.unlink()
+    return path
+
+
+# ---------------------------------------------------------------------------------------- reference features
+def reference_image_features(model, preprocess, images) -> np.ndarray:
+    """open_clip's own features of PIL images or ``[32, 32, 3]`` uint8 arrays: ``[N, D]`` float32."""
+    import torch
+
+    pils = [Image.fromarray(x) if isinstance(x, np.ndarray) else Image.open(x).convert("RGB") for x in images]
+    with torch.no_grad():
+        batch = torch.stack([preprocess(im) for im in pils])  # [N, 3, H, W]
+        return model.encode_image(batch).float().numpy()
+
+
+def reference_text_features(model, tokenizer, templates: list[str], class_names: list[str]) -> np.ndarray:
+    """``[T, K, D]`` float32 open_clip text features of every template x class."""
+    import torch
+
+    with torch.no_grad():
+        out = [
+            model.encode_text(tokenizer([t.replace("{}", c) for c in class_names])).float().numpy()
+            for t in templates
+        ]
+    return np.stack(out)
+
+
+def max_rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    """max over rows of ||got - want|| / ||want||."""
+    got = np.asarray(got, dtype=np.float64).reshape(-1, want.shape[-1])
+    want = np.asarray(want, dtype=np.float64).reshape(-1, want.shape[-1])
+    return float((np.linalg.norm(got - want, axis=1) / np.linalg.norm(want, axis=1)).max())
+
+
+def store_snapshot(path: Path, ignore_attrs=("created_at",)) -> dict:
+    """Every array's bytes and every attribute (timestamps dropped) of a store, for equality checks."""
+    import zarr
+
+    g = zarr.open_group(str(path), mode="r")
+    snap: dict = {"attrs": {k: v for k, v in dict(g.attrs).items() if k not in ignore_attrs}}
+
+    def walk(grp, prefix=""):
+        for k, arr in grp.arrays():
+            snap[prefix + k] = (arr.dtype.str, arr.shape, arr[...].tobytes())
+        for k, sub in grp.groups():
+            snap[f"{prefix}{k}/attrs"] = dict(sub.attrs)
+            walk(sub, prefix + k + "/")
+
+    walk(g)
+    return snap
+
+
+if __name__ == "__main__":  # stand-in for `python -m fedfeat` (and torchrun) until fedfeat/cli.py exists
+    sys.path.insert(0, str(REPO))
+    cli_app()(prog_name="fedfeat")
