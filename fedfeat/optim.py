@@ -1,7 +1,7 @@
 """Batched optimizers over parameter sets with a leading client axis.
 
 A parameter set is a ``dict[str, Tensor]`` whose tensors all have shape ``[m, ...]`` (one row per client).
-``step(params, grads, n)`` updates the first ``n`` clients in place (the engine orders clients so that the
+``step(params, grads, n)`` (grads are consumed: modified in place) updates the first ``n`` clients in place (the engine orders clients so that the
 ones still training form a prefix) with exactly PyTorch's update rules, per client:
 
 * SGD: ``d = g + wd * p``; ``buf = d`` on the first step, else ``buf = momentum * buf + d``; ``p -= lr * buf``
@@ -39,7 +39,8 @@ class BatchedSGD:
         first = fresh_any and bool((steps[:n] == 0).all())
         for k, g in grads.items():
             p = params[k][:n]
-            d = g.add(p, alpha=self.weight_decay) if self.weight_decay else g
+            # grads are fresh tensors from autograd: fold weight decay into them in place (no temporaries)
+            d = g.add_(p, alpha=self.weight_decay) if self.weight_decay else g
             if self.momentum:
                 buf = self.state["buf"][k][:n]
                 if first:
