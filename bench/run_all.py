@@ -9,6 +9,7 @@ Results of other machines (e.g. a GPU run, `bench/results/*-gpu.md`) are kept an
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,11 +38,13 @@ def main() -> None:
     ap.add_argument("--assemble", action="store_true", help="only rebuild BENCHMARKS.md")
     args = ap.parse_args()
     if not args.assemble:
-        for script in ("bench_engine.py", "bench_encode.py"):
+        for script in ("bench_engine.py", "bench_clip2fl.py", "bench_encode.py"):
             path = ROOT / "bench" / script
             if path.exists():
                 print(f"== {script}", flush=True)
-                subprocess.run([sys.executable, str(path)], check=True, cwd=ROOT)
+                # the server loops of bench_clip2fl are tiny ops: one OpenMP thread avoids hand-off stalls
+                env = dict(os.environ, OMP_NUM_THREADS="1") if script == "bench_clip2fl.py" else None
+                subprocess.run([sys.executable, str(path)], check=True, cwd=ROOT, env=env)
     assemble()
 
 
