@@ -200,14 +200,17 @@ def run_local(
     loss_n = 0
     for epoch in range(plan.epochs):
         idx, mask = epoch_tables(ctx, plan, epoch)
+        # batch width per step: B, or less when every active client is on a smaller (last) batch -- clients
+        # with fewer samples than B cost their samples, not B padded rows
+        widths = mask.sum(-1).amax(-1).tolist()  # [S]
         idx, mask = idx.to(ctx.device), mask.to(ctx.device)
         method.epoch_begin(ctx, plan, local, epoch)
         for s in range(idx.shape[0]):
             n = plan.active(s)
-            B = plan.batch_size
-            ib = idx[s, :n]  # [n, B]
+            B = int(widths[s])
+            ib = idx[s, :n, :B]  # [n, B]
             x = torch.index_select(ctx.feats, 0, ib.reshape(-1), out=xbuf[: n * B]).view(n, B, D)
-            batch = Batch(x, mask[s, :n], ib, n, epoch, s, labels[ib] if labels is not None else None)
+            batch = Batch(x, mask[s, :n, :B], ib, n, epoch, s, labels[ib] if labels is not None else None)
             p = {k: v[:n].detach().requires_grad_(True) for k, v in params.items()}
             loss = method.step_loss(ctx, p, batch, local)  # [n]
             names = list(p)

@@ -30,7 +30,8 @@ class BatchedSGD:
         """Fresh state for a new local update (``torch.optim.SGD`` made anew per client per round)."""
         self.state = {"steps": torch.zeros(next(iter(params.values())).shape[0], dtype=torch.int64)}
         if self.momentum:
-            self.state["buf"] = {k: torch.zeros_like(v) for k, v in params.items()}
+            # allocated lazily: every client is active on the first step, whose update *is* the buffer
+            self.state["buf"] = {k: None for k in params}
 
     @torch.no_grad()
     def step(self, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], n: int) -> None:
@@ -39,9 +40,19 @@ class BatchedSGD:
         first = fresh_any and bool((steps[:n] == 0).all())
         for k, g in grads.items():
             p = params[k][:n]
-            # grads are fresh tensors from autograd: fold weight decay into them in place (no temporaries)
+            # grads are fresh tensors from autograd: fold weight decay into them in place (no temporaries);
+            # an expanded (stride-0) gradient is made contiguous first
+            g = g if g.is_contiguous() else g.contiguous()
             d = g.add_(p, alpha=self.weight_decay) if self.weight_decay else g
             if self.momentum:
+                if self.state["buf"][k] is None:
+                    if (
+                        n == params[k].shape[0] and first
+                    ):  # every client's first step: buf = d (alias, no copy)
+                        self.state["buf"][k] = d
+                        p.sub_(d, alpha=self.lr)
+                        continue
+                    self.state["buf"][k] = torch.zeros_like(params[k])
                 buf = self.state["buf"][k][:n]
                 if first:
                     buf.copy_(d)
