@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import platform
 import statistics
 import sys
 import time
@@ -35,6 +33,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import machine  # noqa: E402  (one description of the machine for every bench table)
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -42,19 +43,6 @@ SHAPES = {  # name: (classes, train per class, test per class, store, timed roun
     "cifar10": (10, 5000, 1000, "cache/synth-cifar10-vitb32.zarr", 4, True),
     "cifar100": (100, 500, 100, "cache/synth-cifar100-vitb32.zarr", 2, False),
 }
-
-
-def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    gpu = f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
-    return (
-        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-        f"Python {platform.python_version()}{gpu}"
-    )
 
 
 def matmul_rate(device: str) -> float:
