@@ -343,6 +343,9 @@ def run_federated(
             }
         new = method.aggregate(ctx, plan, glob, cparams)
         glob = method.server_update(ctx, plan, glob, new)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        train_seconds = time.perf_counter() - t0  # local updates + aggregation + server step (no evaluation)
         up = method.upload_bytes(ctx, plan, cparams)
         down = plan.m * param_bytes(method.broadcast(glob))
         record(
@@ -353,6 +356,7 @@ def run_federated(
                 "train_loss": st["loss_sum"] / max(st["loss_steps"], 1),
                 "bytes_up": up,
                 "bytes_down": down,
+                "train_seconds": train_seconds,
             },
         )
     return glob, metrics
