@@ -198,7 +198,7 @@ def write_md(args, ceil: dict, rows: list[dict]) -> None:
         f"Reproduce: `{' '.join(['python', 'bench/bench_engine.py', *sys.argv[1:]])}` (or `make bench`). "
         "Store: synthetic CIFAR-10 shape (50,000 x 1024, 10 classes), `iid` partition, default hyperparameters "
         f"(1 local epoch, batch 50). Seconds of training per round (local updates, aggregation, server step; the "
-        "test evaluation, the same code in both engines, left out). Each figure: the median over {args.repeats} fresh processes (batched and loop "
+        f"test evaluation, the same code in both engines, left out). Each figure: the median over {args.repeats} fresh processes (batched and loop "
         f"interleaved) of the median of {args.rounds} rounds after a warm-up round; the loop at >= 1,000 sampled "
         "clients: one process, one timed round.",
         "",
