@@ -214,7 +214,15 @@ def write_md(args, ceil: dict, rows: list[dict]) -> None:
             f"{r['sec_per_round'] / r['floor']:.1f}x | {r['sec_per_round'] / r['floor_thin']:.1f}x | "
             f"{r['peak_rss_mib']:.0f} / {r['loop_rss']:.0f} |"
         )
-    lines.append("")
+    lines += [
+        "",
+        "Reading the floor columns: the strict floor prices the round's FLOPs at the square-matmul peak. The round's "
+        "GEMMs are thin (10 outputs per client), and BLAS runs them at about a quarter of that peak here, so on this "
+        "CPU the batched round stays several times above the strict floor; against the floor priced at the measured "
+        "thin-GEMM rate it is within about 2x at 100 clients x 100%. Per step the batched engine moves each sample "
+        "three times (gather into the preallocated buffer, forward, weight gradient) where the floor counts one read.",
+        "",
+    ]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines))
