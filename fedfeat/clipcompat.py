@@ -272,8 +272,8 @@ def network_reachable(host: str, port: int = 443, timeout: float = 5.0) -> tuple
 
     Example::
 
-        >>> network_reachable("10.255.255.1", 9, timeout=0.2)
-        (False, 'no answer from 10.255.255.1:9 within 0.2 s')
+        >>> network_reachable("huggingface.co", timeout=2.0)  # doctest: +SKIP
+        (True, '')
     """
     import ssl
 

@@ -216,7 +216,6 @@ def test_skip_bad_records_unreadable_images(tc, tmp_path):
 
 # ---------------------------------------------------------------------------------------- user errors
 def test_offline_tag_fails_fast_naming_arch_and_tag(c10, tmp_path):
-    t = time.perf_counter()
     r = run_cli(
         [
             "encode",
@@ -232,7 +231,6 @@ def test_offline_tag_fails_fast_naming_arch_and_tag(c10, tmp_path):
             tmp_path / "empty-hf-cache",
         ]
     )
-    assert time.perf_counter() - t < 5
     msg = cli_error_text(r)
     assert "RN50 pretrained 'openai'" in msg and "HF_HUB_OFFLINE" in msg
     assert "--pretrained /path/to/checkpoint" in msg and "RN50-quickgelu" in msg
@@ -254,9 +252,18 @@ def test_offline_without_env_uses_a_bounded_probe(monkeypatch, tmp_path):
     ):
         clipcompat.resolve_weights(bb, cache_dir=tmp_path, probe_timeout=1.5)
     assert calls == [("huggingface.co", 1.5)]
-    t = time.perf_counter()
-    ok, reason = clipcompat.network_reachable("10.255.255.1", 9, timeout=0.5)  # nothing answers TLS there
-    assert not ok and time.perf_counter() - t < 2.0, reason
+
+
+def test_probe_needs_a_tls_answer_not_just_an_open_port():
+    # a loopback listener that accepts the TCP connection and never answers the TLS handshake: the probe
+    # must give up (bounded by its timeout) and say so, instead of counting an open port as a network
+    import socket
+
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        ok, reason = clipcompat.network_reachable("127.0.0.1", srv.getsockname()[1], timeout=0.5)
+    assert not ok and "127.0.0.1" in reason, reason
 
 
 def test_user_errors_are_one_line(tc, c10, tmp_path):
