@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import machine  # noqa: E402  (one description of the machine for every bench table)
+from bench_engine import machine, peak_matmul_rate  # noqa: E402  (one description of the machine for every bench table)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -43,23 +43,6 @@ SHAPES = {  # name: (classes, train per class, test per class, store, timed roun
     "cifar10": (10, 5000, 1000, "cache/synth-cifar10-vitb32.zarr", 4, True),
     "cifar100": (100, 500, 100, "cache/synth-cifar100-vitb32.zarr", 2, False),
 }
-
-
-def matmul_rate(device: str) -> float:
-    """Float32 FLOP/s of a square matmul (2048^3 on CPU, 8192^3 on GPU), best of 5: the machine's peak."""
-    dev = torch.device(device)
-    n = 2048 if dev.type == "cpu" else 8192
-    a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
-    best = float("inf")
-    for _ in range(5):
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        torch.mm(a, b)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
 
 
 def store_for(shape: str):
@@ -193,7 +176,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "clip2fl.md"))
     args = ap.parse_args()
-    rate = matmul_rate(args.device)
+    rate = peak_matmul_rate(args.device)
     rows = []
     for shape in args.shapes.split(","):
         res = {}

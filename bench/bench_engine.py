@@ -51,51 +51,49 @@ def machine() -> str:
     )
 
 
+def best_seconds(fn, dev: torch.device, tries: int) -> float:
+    """Shortest wall time of ``fn()`` over ``tries`` runs (CUDA synchronised around each)."""
+    best = float("inf")
+    for _ in range(tries):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def peak_matmul_rate(device: str) -> float:
+    """Float32 FLOP/s of a square matmul (2048^3 on CPU, 8192^3 on GPU), best of 5: the machine's peak."""
+    dev = torch.device(device)
+    n = 2048 if dev.type == "cpu" else 8192
+    a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
+    return 2 * n**3 / best_seconds(lambda: torch.mm(a, b), dev, 5)
+
+
 def ceilings(device: str) -> dict:
-    """Measured copy bandwidth (bytes/s) and float32 matmul rate (FLOP/s), best of several tries."""
+    """Measured copy bandwidth (bytes/s), peak float32 matmul rate and the thin-GEMM rate (FLOP/s)."""
     dev = torch.device(device)
     src = torch.randn(64 << 20 >> 2, device=dev)  # 64 MiB
     dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(7):
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        dst.copy_(src)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
-    bw = 2 * src.numel() * 4 / best  # read + write
-    n = 2048 if dev.type == "cpu" else 8192
-    a = torch.randn(n, n, device=dev)
-    b = torch.randn(n, n, device=dev)
-    best = float("inf")
-    for _ in range(5):
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        torch.mm(a, b)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
-    peak = 2 * n**3 / best
+    bw = 2 * src.numel() * 4 / best_seconds(lambda: dst.copy_(src), dev, 7)  # read + write
     # the round's own GEMM shapes: per-client [50, 1024] x [1024, 10] (forward) and [10, 50] x [50, 1024]
     # (weight gradient), 100 clients batched; thin GEMMs (N = K = 10) cannot reach the square-matmul peak
     x = torch.randn(100, 50, 1024, device=dev)
     w = torch.randn(100, 10, 1024, device=dev)
     g = torch.randn(100, 10, 50, device=dev)
-    best = float("inf")
-    for _ in range(7):
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        torch.bmm(x, w.transpose(1, 2))
-        torch.bmm(g, x)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
-    thin = 2 * (2 * 100 * 50 * 1024 * 10) / best
-    return {"copy_bytes_per_s": bw, "matmul_flops_per_s": peak, "thin_matmul_flops_per_s": thin}
+    thin = (
+        2
+        * (2 * 100 * 50 * 1024 * 10)
+        / best_seconds(lambda: (torch.bmm(x, w.transpose(1, 2)), torch.bmm(g, x)), dev, 7)
+    )
+    return {
+        "copy_bytes_per_s": bw,
+        "matmul_flops_per_s": peak_matmul_rate(device),
+        "thin_matmul_flops_per_s": thin,
+    }
 
 
 def one(

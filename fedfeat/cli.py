@@ -11,6 +11,7 @@ from typing import Optional
 import typer
 from typer.core import TyperGroup
 
+from fedfeat import cli_encode, cli_train
 from fedfeat.errors import FedfeatError
 
 
@@ -119,21 +120,9 @@ def partition(
     )
 
 
-def _register_optional() -> None:
-    """Commands that live in their own modules register here (keeps this file a thin parser)."""
-    import importlib
-
-    for mod in ("fedfeat.cli_train", "fedfeat.cli_encode"):
-        try:
-            m = importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
-            continue
-        m.register(app)
-
-
-_register_optional()
+# commands that live in their own modules (keeps this file a thin parser)
+cli_train.register(app)
+cli_encode.register(app)
 
 
 def main(argv: list[str] | None = None) -> None:

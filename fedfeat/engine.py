@@ -25,7 +25,6 @@ convention): the engine does not even hold the training labels in the method's c
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -303,8 +302,9 @@ def run_federated(
     device: torch.device | str = "cpu",
     on_round: Callable[[dict], None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """Run ``rounds`` federated rounds of ``method``; returns the final global parameters and the
-    per-round metrics (round 0 is the evaluation before any training)."""
+    """Run ``rounds`` federated rounds of ``method``; returns the final weights (``method.final_weights``:
+    the global parameters unless the method adds more) and the per-round metrics (round 0 is the evaluation
+    before any training)."""
     if engine not in ("batched", "loop"):
         raise FedfeatError(f"unknown engine '{engine}'; choose batched or loop")
     if not 0 < participation <= 1:
@@ -347,7 +347,7 @@ def run_federated(
             torch.cuda.synchronize(device)
         train_seconds = time.perf_counter() - t0  # local updates + aggregation + server step (no evaluation)
         up = method.upload_bytes(ctx, plan, cparams)
-        down = plan.m * param_bytes(method.broadcast(glob))
+        down = plan.m * param_bytes(method.broadcast(ctx, glob))
         record(
             rnd,
             t0,
@@ -359,11 +359,7 @@ def run_federated(
                 "train_seconds": train_seconds,
             },
         )
-    return glob, metrics
-
-
-def client_major(order: np.ndarray, arr: np.ndarray) -> np.ndarray:
-    return arr[order]
+    return method.final_weights(ctx, glob), metrics
 
 
 def load_run_data(
@@ -417,5 +413,4 @@ __all__ = [
     "load_run_data",
     "masked_mean",
     "run_federated",
-    "math",
 ]

@@ -28,16 +28,13 @@ class BatchedSGD:
 
     def reset(self, params: dict[str, torch.Tensor]) -> None:
         """Fresh state for a new local update (``torch.optim.SGD`` made anew per client per round)."""
-        self.state = {"steps": torch.zeros(next(iter(params.values())).shape[0], dtype=torch.int64)}
+        self.state = {}
         if self.momentum:
-            # allocated lazily: every client is active on the first step, whose update *is* the buffer
+            # allocated lazily: every client is active on the engine's first step, whose update *is* the buffer
             self.state["buf"] = {k: None for k in params}
 
     @torch.no_grad()
     def step(self, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], n: int) -> None:
-        steps = self.state["steps"]
-        fresh_any = bool((steps[:n] == 0).any())
-        first = fresh_any and bool((steps[:n] == 0).all())
         for k, g in grads.items():
             p = params[k][:n]
             # grads are fresh tensors from autograd: fold weight decay into them in place (no temporaries);
@@ -45,25 +42,15 @@ class BatchedSGD:
             g = g if g.is_contiguous() else g.contiguous()
             d = g.add_(p, alpha=self.weight_decay) if self.weight_decay else g
             if self.momentum:
-                if self.state["buf"][k] is None:
-                    if (
-                        n == params[k].shape[0] and first
-                    ):  # every client's first step: buf = d (alias, no copy)
-                        self.state["buf"][k] = d
-                        p.sub_(d, alpha=self.lr)
-                        continue
-                    self.state["buf"][k] = torch.zeros_like(params[k])
-                buf = self.state["buf"][k][:n]
-                if first:
-                    buf.copy_(d)
-                elif not fresh_any:
-                    buf.mul_(self.momentum).add_(d)
+                bufs = self.state["buf"]
+                if bufs[k] is None and n == params[k].shape[0]:
+                    bufs[k] = d  # every client's first step: the buffer *is* this update (alias, no copy)
                 else:
-                    fresh = (steps[:n] == 0).view(-1, *([1] * (d.dim() - 1)))
-                    buf.copy_(torch.where(fresh, d, buf * self.momentum + d))
-                d = buf
+                    if bufs[k] is None:
+                        bufs[k] = torch.zeros_like(params[k])
+                    # a zero buffer makes a client's first step buf = d, as torch.optim.SGD does
+                    d = bufs[k][:n].mul_(self.momentum).add_(d)
             p.sub_(d, alpha=self.lr)
-        steps[:n] += 1
 
 
 @dataclass

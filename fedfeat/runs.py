@@ -243,7 +243,7 @@ def train(cfg: RunConfig, *, progress: bool = True, log=print) -> Path:
             bar.stop()
     wall = time.perf_counter() - t0
     save_file(
-        {k: v.detach().cpu().contiguous() for k, v in method.final_weights(glob).items()},
+        {k: v.detach().cpu().contiguous() for k, v in glob.items()},
         tmp / "weights.safetensors",
     )
     plot_curves(

@@ -177,8 +177,6 @@ def write_synthetic_store(
         raise FedfeatError(
             "synthetic store needs --classes >= 2, --dim >= 4, and >= 1 train/test sample per class and template"
         )
-    if p.dim < 2 + 1:
-        raise FedfeatError("--dim must exceed 2")
     out = Path(out)
     fingerprint = {"generator": "fedfeat.synth", **asdict(p)}
     if out.exists():

@@ -13,17 +13,11 @@ Example::
 
 from __future__ import annotations
 
-import importlib
+# the modules below register their methods on import (import order = listing order)
+# isort: off
+from fedfeat.methods import zeroshot, linear, fst_cbdg, synthesis  # noqa: E402, F401
 
-from fedfeat.methods.base import REGISTRY, Method, get_method, method_table, register
-
-# modules that register methods (import order = listing order)
-_MODULES = ("zeroshot", "linear", "fst_cbdg", "synthesis")
-for _m in _MODULES:
-    try:
-        importlib.import_module(f"fedfeat.methods.{_m}")
-    except ModuleNotFoundError as e:  # a method module still being written elsewhere
-        if e.name != f"fedfeat.methods.{_m}":
-            raise
+# isort: on
+from fedfeat.methods.base import REGISTRY, Method, get_method, method_table, register  # noqa: E402
 
 __all__ = ["REGISTRY", "Method", "get_method", "method_table", "register"]

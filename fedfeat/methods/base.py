@@ -146,7 +146,7 @@ class Method:
     def server_update(self, ctx: Context, plan: RoundPlan, old: dict, new: dict) -> dict:
         return new
 
-    def broadcast(self, glob: dict) -> dict:
+    def broadcast(self, ctx: Context, glob: dict) -> dict:
         """What the server sends each client (for the bytes-down count)."""
         return glob
 
@@ -174,7 +174,8 @@ class Method:
         """Extra per-round metrics (e.g. pseudo-label accuracy); ``data`` holds the engine's labels."""
         return {}
 
-    def final_weights(self, glob: dict) -> dict[str, torch.Tensor]:
+    def final_weights(self, ctx: Context, glob: dict) -> dict[str, torch.Tensor]:
+        """What a run saves as its final weights (default: the global parameters)."""
         return glob
 
 

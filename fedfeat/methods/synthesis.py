@@ -419,8 +419,7 @@ class CReFF(LinearHead):
             agg=None,  # this round's per-class gradient sums
             info={},
         )
-        self._state = ctx.state  # read by broadcast / final_weights, which get no context
-        self._uploads = 0  # (client, class) gradients uploaded in the last round
+        ctx.state["uploads"] = 0  # (client, class) gradients uploaded in the last round
 
     # ------------------------------------------------------------------ client side
     def local_begin(self, ctx: Context, plan: RoundPlan, glob: dict) -> dict:
@@ -511,17 +510,17 @@ class CReFF(LinearHead):
             "sec_retraining": time.perf_counter() - t1,
         }
         st["agg"] = None
-        self._uploads = agg["uploads"]
+        st["uploads"] = agg["uploads"]
         return new
 
     def upload_bytes(self, ctx: Context, plan: RoundPlan, cparams: dict) -> int:
         """The heads plus one ``[K, D] + [K]`` gradient per (client, class held)."""
         per = (ctx.K * ctx.D + ctx.K) * ctx.feats.element_size()
-        return super().upload_bytes(ctx, plan, cparams) + self._uploads * per
+        return super().upload_bytes(ctx, plan, cparams) + ctx.state["uploads"] * per
 
-    def broadcast(self, glob: dict) -> dict:
+    def broadcast(self, ctx: Context, glob: dict) -> dict:
         """The FedAvg head (clients train from it) and the re-trained head (their gradients use it)."""
-        head = self._state["head"]
+        head = ctx.state["head"]
         return {**glob, "W_crt": head["W"], "b_crt": head["b"]}
 
     # ------------------------------------------------------------------ evaluation
@@ -538,8 +537,8 @@ class CReFF(LinearHead):
         out.update(ctx.state.get("info", {}))
         return out
 
-    def final_weights(self, glob: dict) -> dict[str, torch.Tensor]:
-        return self.broadcast(glob)
+    def final_weights(self, ctx: Context, glob: dict) -> dict[str, torch.Tensor]:
+        return self.broadcast(ctx, glob)
 
 
 @dataclass(frozen=True)
