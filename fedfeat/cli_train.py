@@ -43,6 +43,11 @@ def register(app: typer.Typer) -> None:
             None,
             help="batched (all sampled clients at once) or loop (one client after another). Default batched.",
         ),
+        kernel: Optional[str] = typer.Option(
+            None,
+            help="auto (fused CPU kernel where a method has one, on CPU with the batched engine; else torch), "
+            "fused or torch (the batched tensor program). Default auto.",
+        ),
         device: Optional[str] = typer.Option(None, help="auto, cpu or cuda. Default auto."),
         set_: Optional[list[str]] = typer.Option(
             None,
@@ -78,6 +83,7 @@ def register(app: typer.Typer) -> None:
             "rounds": rounds,
             "seed": seed,
             "engine": engine,
+            "kernel": kernel,
             "device": device,
             "out": str(out) if out else None,
             "name": name,

@@ -147,6 +147,11 @@ def plan_rows(ctx: Context, plan: RoundPlan) -> tuple[torch.Tensor, torch.Tensor
     return seg, local, ctx.offsets[plan.clients][seg] + local
 
 
+def shuffle_keys(ctx: Context, plan: RoundPlan, epoch: int, pos: torch.Tensor) -> torch.Tensor:
+    """``[M]`` int64 shuffle keys of the samples at client-major positions ``pos`` in this round's epoch."""
+    return rng.uniform_keys(rng.stream_key(ctx.seed, plan.rnd, epoch, rng.TAG_SHUFFLE), pos)
+
+
 def epoch_tables(ctx: Context, plan: RoundPlan, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Shuffled mini-batch positions for one epoch: ``idx  # [S, m, B]`` (int64) and ``mask  # [S, m, B]``.
 
@@ -155,7 +160,7 @@ def epoch_tables(ctx: Context, plan: RoundPlan, epoch: int) -> tuple[torch.Tenso
     """
     B = plan.batch_size
     seg, local, pos = plan_rows(ctx, plan)  # [M] client slot, index within client, client-major position
-    key = rng.uniform_keys(rng.stream_key(ctx.seed, plan.rnd, epoch, rng.TAG_SHUFFLE), pos)
+    key = shuffle_keys(ctx, plan, epoch, pos)
     # sort by (segment, key): segment-major composite sort, keys are < 2^62 so sort keys then stable by seg
     o1 = torch.argsort(key, stable=True)
     o2 = torch.argsort(seg[o1], stable=True)
@@ -176,8 +181,11 @@ def run_local(
     plan: RoundPlan,
     glob: dict[str, torch.Tensor],
     rows: slice | None = None,
+    kernel: str = "torch",
 ) -> tuple[dict[str, torch.Tensor], dict]:
-    """Local update of the plan's clients ``rows`` (default all) as one batched program.
+    """Local update of the plan's clients ``rows`` (default all) as one batched program: the torch tensor
+    program below (``kernel="torch"``), or the method's fused CPU kernel for a whole epoch (``"fused"``,
+    ``fedfeat.kernels``).
 
     Returns the clients' final parameters ``{name: [m, ...]}`` and a few statistics.
     """
@@ -197,7 +205,21 @@ def run_local(
         (), dtype=torch.float64, device=ctx.device
     )  # summed on the device: no sync per step
     loss_n = 0
+    if kernel == "fused":
+        from fedfeat import kernels
+
+        pos = plan_rows(ctx, plan)[2]
+        starts, sizes = ctx.offsets[plan.clients].numpy(), plan.sizes.numpy()
     for epoch in range(plan.epochs):
+        if (
+            kernel == "fused"
+        ):  # the same tables as epoch_tables (without the mask), built in the kernel module
+            key = shuffle_keys(ctx, plan, epoch, pos).numpy()
+            idx, cnt = kernels.shuffle_tables(key, starts, sizes, plan.batch_size, torch.get_num_threads())
+            method.epoch_begin(ctx, plan, local, epoch)
+            loss_sum += float(method.fused_epoch(ctx, plan, glob, local, params, opt, idx, cnt).sum())
+            loss_n += int((cnt > 0).sum())
+            continue
         idx, mask = epoch_tables(ctx, plan, epoch)
         # batch width per step: B, or less when every active client is on a smaller (last) batch -- clients
         # with fewer samples than B cost their samples, not B padded rows
@@ -291,6 +313,32 @@ def evaluate(method, ctx: Context, glob: dict, test_y: torch.Tensor, n_classes: 
     return {"acc": float(correct.mean()) * 100, "per_class_acc": [100 * v for v in pc], "pred": pred}
 
 
+KERNELS = ("auto", "fused", "torch")
+
+
+def resolve_kernel(kernel: str, method, engine: str, device: torch.device) -> str:
+    """``auto`` -> ``fused`` where it applies (batched engine, CPU, a method with a fused kernel), else
+    ``torch``; an explicit ``fused`` where it does not apply is an error naming why."""
+    if kernel not in KERNELS:
+        raise FedfeatError(f"unknown kernel '{kernel}'; choose {', '.join(KERNELS)}")
+    if kernel == "torch":
+        return kernel
+    why = None
+    if engine != "batched":
+        why = "the loop engine is the per-client torch reference; use --engine batched"
+    elif device.type != "cpu":
+        why = f"fused kernels are CPU kernels (device {device}); on a GPU the torch program is the fast one"
+    elif not method.has_fused():
+        why = f"method {method.name} has no fused kernel"
+    else:
+        from fedfeat import kernels  # noqa: F401  (numba: a dependency)
+    if why is None:
+        return "fused"
+    if kernel == "fused":
+        raise FedfeatError(f"--kernel fused: {why}; use --kernel auto or torch")
+    return "torch"
+
+
 def run_federated(
     method,
     data: RunData,
@@ -300,6 +348,7 @@ def run_federated(
     seed: int,
     engine: str = "batched",
     device: torch.device | str = "cpu",
+    kernel: str = "auto",
     on_round: Callable[[dict], None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """Run ``rounds`` federated rounds of ``method``; returns the final weights (``method.final_weights``:
@@ -310,6 +359,7 @@ def run_federated(
     if not 0 < participation <= 1:
         raise FedfeatError(f"--participation must be in (0, 1], got {participation}")
     device = torch.device(device)
+    kernel = resolve_kernel(kernel, method, engine, device)
     ctx = build_context(data, method, seed, device)
     K = len(data.class_names)
     method.setup(ctx)
@@ -333,7 +383,7 @@ def run_federated(
         clients = method.sample(ctx, rnd, participation)
         plan = make_plan(ctx, rnd, clients, method.p.batch_size, method.p.local_epochs)
         if engine == "batched":
-            cparams, st = run_local(method, ctx, plan, glob)
+            cparams, st = run_local(method, ctx, plan, glob, kernel=kernel)
         else:
             outs = [run_local(method, ctx, plan, glob, rows=slice(j, j + 1)) for j in range(plan.m)]
             cparams = {k: torch.cat([o[0][k] for o in outs]) for k in outs[0][0]}

@@ -44,6 +44,7 @@ DEFAULTS = {
     "rounds": 10,
     "seed": 0,
     "engine": "batched",
+    "kernel": "auto",
     "device": "auto",
     "out": "runs",
     "name": None,
@@ -61,6 +62,7 @@ class RunConfig:
     rounds: int
     seed: int
     engine: str
+    kernel: str
     device: str
     out: str
     alpha: float | None = None
@@ -169,7 +171,7 @@ def train(cfg: RunConfig, *, progress: bool = True, log=print) -> Path:
     """Run one configuration end to end and write its run directory. Returns the directory."""
     from safetensors.torch import save_file
 
-    from fedfeat.engine import load_run_data, resolve_device, run_federated
+    from fedfeat.engine import load_run_data, resolve_device, resolve_kernel, run_federated
     from fedfeat.methods import get_method
     from fedfeat.plots import plot_curves
     from fedfeat.report import store_partition
@@ -177,6 +179,7 @@ def train(cfg: RunConfig, *, progress: bool = True, log=print) -> Path:
 
     method = get_method(cfg.method, cfg.params)
     device = resolve_device(cfg.device)
+    kernel = resolve_kernel(cfg.kernel, method, cfg.engine, device)  # before anything is written
     if cfg.rounds < 0:
         raise FedfeatError("--rounds must be >= 0")
     store = FeatureStore.open(cfg.store, mode="r+")
@@ -234,6 +237,7 @@ def train(cfg: RunConfig, *, progress: bool = True, log=print) -> Path:
             participation=1.0 if centralized else cfg.participation,
             seed=cfg.seed,
             engine=cfg.engine,
+            kernel=cfg.kernel,
             device=device,
             on_round=on_round,
         )
@@ -264,6 +268,7 @@ def train(cfg: RunConfig, *, progress: bool = True, log=print) -> Path:
         "rounds": cfg.rounds,
         "seed": cfg.seed,
         "engine": cfg.engine,
+        "kernel": kernel,
         "device": str(device),
         "initial_acc": accs[0],
         "final_acc": accs[-1],

@@ -81,6 +81,17 @@ def test_unknown_method_lists_the_known(store, tmp_path):
     assert "unknown method 'nope'" in r.output and "fst-cbdg" in r.output and "fedavg" in r.output
 
 
+def test_kernel_flag(store, tmp_path):
+    r = runner.invoke(app, ["train", "--store", str(store), "--method", "fst-cbdg", "--kernel", "fused", "--clients", "10",
+                            "--out", str(tmp_path)])  # fmt: skip
+    assert r.exit_code == 2 and "no fused kernel" in r.output and len(r.output.strip().splitlines()) == 1
+    _train(store, tmp_path, "--method", "fedavg", "--name", "f", "--set", "batch_size=8", "--kernel", "fused")
+    _train(store, tmp_path, "--method", "fedavg", "--name", "t", "--set", "batch_size=8", "--kernel", "torch")
+    f, t = (json.loads((tmp_path / n / "summary.json").read_text()) for n in ("f", "t"))
+    assert (f["kernel"], t["kernel"]) == ("fused", "torch")
+    assert f["final_acc"] == pytest.approx(t["final_acc"], abs=1e-9)
+
+
 def test_unknown_hyperparameter_lists_the_valid(store, tmp_path):
     r = runner.invoke(
         app, ["train", "--store", str(store), "--method", "fedavg", "--set", "lrr=1", "--out", str(tmp_path)]

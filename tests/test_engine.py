@@ -42,11 +42,13 @@ CASES = [
 ]
 
 
-def _run(small, name, sets, engine, rounds=3, participation=0.5, seed=0, dtype=torch.float32):
+def _run(small, name, sets, engine, rounds=3, participation=0.5, seed=0, dtype=torch.float32, kernel="auto"):
     st, part = small
     m = get_method(name, sets)
     data = load_run_data(st, part, centralized=getattr(m, "centralized", False), dtype=dtype)
-    return run_federated(m, data, rounds=rounds, participation=participation, seed=seed, engine=engine)
+    return run_federated(
+        m, data, rounds=rounds, participation=participation, seed=seed, engine=engine, kernel=kernel
+    )
 
 
 @pytest.mark.parametrize("name, sets", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
@@ -54,8 +56,18 @@ def test_batched_equals_loop(small, name, sets):
     # logits x100 amplify float32 rounding differences between matmuls of different shapes chaotically
     # (~3e-4 after 3 rounds, while the two engines agree to 1e-12 in float64): check those cases in float64
     dtype = torch.float64 if float(sets.get("logit_scale", 1)) > 10 else torch.float32
-    gb, mb = _run(small, name, sets, "batched", dtype=dtype)
     gl, ml = _run(small, name, sets, "loop", dtype=dtype)
+    kernels = ["torch", "fused"] if get_method(name, sets).has_fused() else ["torch"]
+    for kernel in kernels:  # the batched tensor program and, where a method has one, its fused CPU kernel
+        gb, mb = _run(small, name, sets, "batched", dtype=dtype, kernel=kernel)
+        _check_same(name, gb, mb, gl, ml)
+        if REGISTRY[name].federated:
+            np.testing.assert_allclose(
+                [r["train_loss"] for r in mb[1:]], [r["train_loss"] for r in ml[1:]], rtol=1e-5
+            )
+
+
+def _check_same(name, gb, mb, gl, ml):
     assert [r["round"] for r in mb] == [r["round"] for r in ml]
     np.testing.assert_allclose([r["test_acc"] for r in mb], [r["test_acc"] for r in ml], atol=1e-5)
     for k in gb:
@@ -66,6 +78,56 @@ def test_batched_equals_loop(small, name, sets):
     for a, b in zip(mb[1:], ml[1:]):
         if a.get("pseudo_label_acc") is not None:
             assert a["pseudo_label_acc"] == pytest.approx(b["pseudo_label_acc"], abs=1e-9)
+
+
+def test_fused_kernels_cover_the_linear_heads_only():
+    fused = {n for n, cls in REGISTRY.items() if get_method(n).has_fused()}
+    assert fused == {
+        "fedavg",
+        "centralized",
+        "fedprox",
+        "fedavgm",
+        "fedntd",
+    }  # creff/clip2fl override the loss
+
+
+def test_fused_kernel_hand_step():
+    """One client, one step of two samples, K = D = 2, W = 0, b = 0, lr 0.1, no momentum / decay:
+    x = (1, 0) label 0 and x = (0, 1) label 1; softmax(0) = (1/2, 1/2), so the mean logit gradients are
+    (-1/4, 1/4) and (1/4, -1/4): gW = [[-1/4, 1/4], [1/4, -1/4]], gb = 0; W = -0.1 gW; loss = log 2."""
+    from fedfeat import kernels
+
+    feats = np.eye(2, dtype=np.float32)
+    labels = np.array([0, 1])
+    idx = np.array([[[0, 1]]])
+    cnt = np.array([[2]])
+    W = np.zeros((1, 2, 2), np.float32)
+    b = np.zeros((1, 2), np.float32)
+    loss = np.zeros((1, 1))
+    kernels.linear_epoch(
+        feats, labels, idx, cnt, W, b, np.zeros_like(W), np.zeros_like(b), W[0].copy(), b[0].copy(),
+        lr=0.1, momentum=0.0, weight_decay=0.0, logit_scale=1.0, loss_out=loss, threads=1,
+    )  # fmt: skip
+    np.testing.assert_allclose(W[0], [[0.025, -0.025], [-0.025, 0.025]], atol=1e-7)
+    np.testing.assert_allclose(b, 0, atol=1e-7)
+    assert loss[0, 0] == pytest.approx(math.log(2), abs=1e-6)
+
+
+def test_kernel_choice(small):
+    from fedfeat.engine import resolve_kernel
+    from fedfeat.errors import FedfeatError
+
+    cpu = torch.device("cpu")
+    assert resolve_kernel("auto", get_method("fedavg"), "batched", cpu) == "fused"
+    assert resolve_kernel("auto", get_method("fedavg"), "loop", cpu) == "torch"
+    assert resolve_kernel("auto", get_method("fst-cbdg"), "batched", cpu) == "torch"
+    assert resolve_kernel("auto", get_method("fedavg"), "batched", torch.device("cuda")) == "torch"
+    with pytest.raises(FedfeatError, match="has no fused kernel"):
+        resolve_kernel("fused", get_method("creff"), "batched", cpu)
+    with pytest.raises(FedfeatError, match="loop engine"):
+        resolve_kernel("fused", get_method("fedavg"), "loop", cpu)
+    with pytest.raises(FedfeatError, match="unknown kernel"):
+        resolve_kernel("fast", get_method("fedavg"), "batched", cpu)
 
 
 def test_training_changes_the_head(small):

@@ -166,6 +166,25 @@ class Method:
     def local_end(self, ctx: Context, plan: RoundPlan, local: dict, params: dict) -> None:
         pass
 
+    # ---- fused CPU kernel (optional; ``fedfeat.kernels``)
+    def fused_loss(self):
+        """The loss of ``step_loss`` as a fused kernel's parameters, or None (no fused kernel)."""
+        return None
+
+    def has_fused(self) -> bool:
+        """A fused kernel applies only if the class that defines ``step_loss`` also defines ``fused_loss``
+        (a subclass that changes the loss does not inherit its parent's kernel) and it returns one."""
+
+        def owner(name: str) -> type:
+            return next(c for c in type(self).__mro__ if name in c.__dict__)
+
+        return owner("fused_loss") is owner("step_loss") and self.fused_loss() is not None
+
+    def fused_epoch(self, ctx, plan, glob, local, params, opt, idx, cnt):
+        """One local epoch of all the plan's clients in a fused kernel (``idx [S, m, B]`` rows, ``cnt [S, m]``
+        samples per step: ``kernels.shuffle_tables``); returns the ``[S, m]`` step losses."""
+        raise NotImplementedError
+
     # ---- evaluation
     def predict(self, ctx: Context, glob: dict, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

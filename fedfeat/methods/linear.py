@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -20,27 +21,31 @@ from fedfeat.methods.base import Method, register
 
 
 class _BatchedLinear(torch.autograd.Function):
-    """``z = x W^T + b`` per client with a hand-written backward: autograd's generic baddbmm backward is
-    several times slower on CPU than one ``bmm(g^T, x)`` for the weight gradient (measured: 27 ms vs 4 ms
-    for 100 clients x 50 samples x 1024 dims x 10 classes)."""
+    """Class-major logits ``z^T = W x^T + b`` per client with a hand-written backward.
+
+    Layout matters on CPU for these thin products (K outputs per client): ``bmm(W, x^T)`` -> ``[n, K, B]`` runs
+    ~2x faster than ``bmm(x, W^T)`` -> ``[n, B, K]``, and the weight gradient ``bmm(g, x)`` with a class-major
+    ``g`` needs no transposed copy; autograd's generic baddbmm backward is several times slower than that one
+    ``bmm`` (measured for 100 clients x 50 samples x 1024 dims x 10 classes: BENCHMARKS.md)."""
 
     @staticmethod
     def forward(ctx, x, W, b):  # x [n, B, D], W [n, K, D], b [n, K]
         ctx.save_for_backward(x, W)
-        return torch.baddbmm(b.unsqueeze(1), x, W.transpose(1, 2))  # [n, B, K]
+        return torch.baddbmm(b.unsqueeze(2), W, x.transpose(1, 2))  # [n, K, B]
 
     @staticmethod
-    def backward(ctx, g):  # g [n, B, K]
+    def backward(ctx, g):  # g [n, K, B]
         x, W = ctx.saved_tensors
-        gx = torch.bmm(g, W) if ctx.needs_input_grad[0] else None
-        gW = torch.bmm(g.transpose(1, 2), x) if ctx.needs_input_grad[1] else None
-        gb = g.sum(1) if ctx.needs_input_grad[2] else None
+        gx = torch.bmm(g.transpose(1, 2), W) if ctx.needs_input_grad[0] else None
+        gW = torch.bmm(g, x) if ctx.needs_input_grad[1] else None
+        gb = g.sum(2) if ctx.needs_input_grad[2] else None
         return gx, gW, gb
 
 
 def batched_linear(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per-client linear layer: ``x  # [n, B, D]``, ``W  # [n, K, D]``, ``b  # [n, K]`` -> ``[n, B, K]``."""
-    return _BatchedLinear.apply(x, W, b)
+    """Per-client linear layer: ``x  # [n, B, D]``, ``W  # [n, K, D]``, ``b  # [n, K]`` -> ``[n, B, K]`` (a
+    transposed view of class-major storage: ``.transpose(1, 2)`` of it is contiguous)."""
+    return _BatchedLinear.apply(x, W, b).transpose(1, 2)
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,22 @@ class LinearHead(Method):
     def predict(self, ctx: Context, glob: dict, x: torch.Tensor) -> torch.Tensor:
         return self.p.logit_scale * (x @ glob["W"].T + glob["b"])
 
+    def fused_epoch(self, ctx, plan, glob, local, params, opt, idx, cnt):
+        """The epoch in ``fedfeat.kernels.linear_epoch`` (SGD state: momentum buffers, zero at round start)."""
+        from fedfeat import kernels
+
+        mode, mu, tau, beta = self.fused_loss()
+        bufs = opt.state.setdefault("fused", {k: torch.zeros_like(v) for k, v in params.items()})
+        losses = np.zeros(cnt.shape, dtype=np.float64)
+        kernels.linear_epoch(
+            ctx.feats.numpy(), ctx.labels.numpy(), idx, cnt,
+            params["W"].numpy(), params["b"].numpy(), bufs["W"].numpy(), bufs["b"].numpy(),
+            glob["W"].contiguous().numpy(), glob["b"].contiguous().numpy(),
+            lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay, logit_scale=self.p.logit_scale,
+            mode=mode, mu=mu, tau=tau, beta=beta, loss_out=losses, threads=torch.get_num_threads(),
+        )  # fmt: skip
+        return losses
+
     def ce(self, params: dict, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         z = self.logits(params, batch.x)  # [n, B, K]
         ce = F.cross_entropy(z.transpose(1, 2), batch.y, reduction="none")  # [n, B]
@@ -95,6 +116,9 @@ class FedAvg(LinearHead):
 
     def step_loss(self, ctx, params, batch, local):
         return self.ce(params, batch)[0]
+
+    def fused_loss(self):
+        return 0, 0.0, 1.0, 0.0  # (mode, mu, tau, beta): kernels.CE
 
 
 @register
@@ -124,6 +148,9 @@ class FedProx(LinearHead):
         g = local["glob"]
         prox = sum(((params[k] - g[k]) ** 2).flatten(1).sum(1) for k in params)  # [n]
         return self.ce(params, batch)[0] + 0.5 * self.p.mu * prox
+
+    def fused_loss(self):
+        return 0, self.p.mu, 1.0, 0.0  # kernels.CE with the proximal term
 
 
 @dataclass(frozen=True)
@@ -194,3 +221,6 @@ class FedNTD(LinearHead):
         with torch.no_grad():
             zg = self.p.logit_scale * (batch.x @ g["W"].T + g["b"])  # [n, B, K]
         return ntd_loss(z, zg, batch.y, batch.mask, self.p.tau, self.p.beta)
+
+    def fused_loss(self):
+        return 1, 0.0, self.p.tau, self.p.beta  # kernels.NTD

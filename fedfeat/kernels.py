@@ -1,0 +1,288 @@
+"""Fused CPU kernels: one local epoch of every sampled client's linear head in one compiled call.
+
+On a CPU the batched torch program of a round (gather the step's mini-batches into ``[n, B, D]``, ``bmm`` forward,
+loss, ``bmm`` weight gradient, optimizer) moves each sample three times per step and runs its thin GEMMs
+(K = 10 outputs per client) at a fraction of the machine's matmul rate. This kernel reads each sample's features
+**once**, straight from the client-major matrix (no gather buffer): per client (threads over clients) and per
+step, it computes the logits of four samples at a time against the client's head (each weight row loaded once
+for the four), the per-sample loss gradient in registers, accumulates the weight gradient while the rows are
+still in L1, and applies the SGD step (``torch.optim.SGD`` semantics: weight decay into the gradient, momentum
+buffer ``buf = m buf + d``, zero at the start of a round) before the client's next step.
+
+It is the same mathematics as the torch path (``fedfeat.methods.linear``): the tests run both against the loop
+engine (``test_engine.py``, ``<= 1e-5``). Compiled by numba on first use (cached on disk next to this file).
+Used by the batched engine on CPU when ``--kernel auto`` (the default) or ``fused``; ``--kernel torch`` keeps the
+tensor program (the path the GPU always takes: there one ``bmm`` over all clients is the right program).
+
+Losses (``mode``): ``CE`` cross-entropy with hard labels (fedavg, fedavgm, centralized; + ``mu`` for fedprox's
+proximal term); ``NTD`` adds FedNTD's not-true distillation from the round's global head.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")  # numba's own pool: no second OpenMP runtime
+import numba as nb  # noqa: E402
+
+nb.config.THREADING_LAYER = "workqueue"  # (also when numba was imported before us)
+
+CE = 0
+NTD = 1
+
+
+@nb.njit(fastmath=True)
+def _dots4(Wj, bj, x0, x1, x2, x3, scale, zero, Z):
+    """``Z[0:4, k] = scale * (W_k . x_t + b_k)``: two weight rows x four samples per pass (8 accumulators; each
+    loaded vector feeds 2 or 4 FMAs). An odd last row is paired with itself."""
+    K, D = Wj.shape
+    for k in range(0, K, 2):
+        k1 = min(k + 1, K - 1)
+        a0 = zero  # of the arrays' dtype (a literal 0 would make the accumulators float64)
+        a1 = zero
+        a2 = zero
+        a3 = zero
+        c0 = zero
+        c1 = zero
+        c2 = zero
+        c3 = zero
+        for d in range(D):
+            w = Wj[k, d]
+            v = Wj[k1, d]
+            y0 = x0[d]
+            y1 = x1[d]
+            y2 = x2[d]
+            y3 = x3[d]
+            a0 += w * y0
+            a1 += w * y1
+            a2 += w * y2
+            a3 += w * y3
+            c0 += v * y0
+            c1 += v * y1
+            c2 += v * y2
+            c3 += v * y3
+        Z[0, k] = scale * (a0 + bj[k])
+        Z[1, k] = scale * (a1 + bj[k])
+        Z[2, k] = scale * (a2 + bj[k])
+        Z[3, k] = scale * (a3 + bj[k])
+        Z[0, k1] = scale * (c0 + bj[k1])
+        Z[1, k1] = scale * (c1 + bj[k1])
+        Z[2, k1] = scale * (c2 + bj[k1])
+        Z[3, k1] = scale * (c3 + bj[k1])
+
+
+@nb.njit(fastmath=True)
+def _dots1(Wj, bj, x0, scale, zero, Z, t):
+    K, D = Wj.shape
+    for k in range(K):
+        a0 = zero  # of the arrays' dtype (a literal 0 would make the accumulators float64)
+        for d in range(D):
+            a0 += Wj[k, d] * x0[d]
+        Z[t, k] = scale * (a0 + bj[k])
+
+
+@nb.njit(fastmath=True)
+def _acc4(gW, G, x0, x1, x2, x3, zero):
+    """``gW += G[0:4]^T [x0; x1; x2; x3]``: two gradient rows per pass over the four samples (an odd last row
+    is paired with itself, with zero weights for the copy)."""
+    K, D = gW.shape
+    for k in range(0, K, 2):
+        k1 = min(k + 1, K - 1)
+        g0, g1, g2, g3 = G[0, k], G[1, k], G[2, k], G[3, k]
+        h0, h1, h2, h3 = G[0, k1], G[1, k1], G[2, k1], G[3, k1]
+        if k1 == k:
+            h0, h1, h2, h3 = zero, zero, zero, zero
+        for d in range(D):
+            y0 = x0[d]
+            y1 = x1[d]
+            y2 = x2[d]
+            y3 = x3[d]
+            gW[k, d] += g0 * y0 + g1 * y1 + g2 * y2 + g3 * y3
+            gW[k1, d] += h0 * y0 + h1 * y1 + h2 * y2 + h3 * y3
+
+
+@nb.njit(fastmath=True)
+def _acc1(gW, G, x0, t):
+    K, D = gW.shape
+    for k in range(K):
+        g0 = G[t, k]
+        for d in range(D):
+            gW[k, d] += g0 * x0[d]
+
+
+@nb.njit(fastmath=True)
+def _ce_grad(z, y, g):
+    """``g = softmax(z) - onehot(y)``; returns the cross-entropy ``-log softmax(z)[y]``."""
+    K = z.shape[0]
+    mx = z[0]
+    for k in range(1, K):
+        mx = max(mx, z[k])
+    se = 0.0
+    for k in range(K):
+        e = np.exp(z[k] - mx)
+        g[k] = e
+        se += e
+    for k in range(K):
+        g[k] = g[k] / se
+    g[y] -= 1
+    return np.log(se) + mx - z[y]
+
+
+@nb.njit(fastmath=True)
+def _ntd_grad(z, zg, y, tau, beta, g):
+    """FedNTD's ``beta tau^2 KL(p_g || p_l)`` over the not-true classes of ``z / tau``: adds its gradient
+    ``beta tau (p_l - p_g)`` to ``g`` (not-true classes) and returns ``KL``."""
+    K = z.shape[0]
+    ml = -np.inf
+    mg = -np.inf
+    for k in range(K):
+        if k != y:
+            ml = max(ml, z[k] / tau)
+            mg = max(mg, zg[k] / tau)
+    sl = 0.0
+    sg = 0.0
+    for k in range(K):
+        if k != y:
+            sl += np.exp(z[k] / tau - ml)
+            sg += np.exp(zg[k] / tau - mg)
+    kl = 0.0
+    for k in range(K):
+        if k != y:
+            lpl = z[k] / tau - ml - np.log(sl)
+            lpg = zg[k] / tau - mg - np.log(sg)
+            pg = np.exp(lpg)
+            kl += pg * (lpg - lpl)
+            g[k] += beta * tau * (np.exp(lpl) - pg)
+    return kl
+
+
+@nb.njit(fastmath=True)
+def _grads(Z, Zg, G, gb, labels, rows, q, mode, scale, inv, tau, beta):
+    """Per-sample logit gradients ``G[:q]`` (already times ``scale / count``), bias gradient; returns the
+    summed loss of the ``q`` samples."""
+    K = Z.shape[1]
+    lsum = 0.0
+    for t in range(q):
+        y = labels[rows[t]]
+        lsum += _ce_grad(Z[t], y, G[t])
+        if mode == NTD:
+            lsum += beta * tau * tau * _ntd_grad(Z[t], Zg[t], y, tau, beta, G[t])
+        for k in range(K):
+            G[t, k] *= scale * inv
+            gb[k] += G[t, k]
+    return lsum
+
+
+@nb.njit(parallel=True, fastmath=True, cache=True)
+def _linear_epoch(feats, labels, idx, cnt, W, b, mW, mb, Wg, bg, hp, mode, loss_out):
+    S, m, _ = idx.shape
+    K, D = W.shape[1], W.shape[2]
+    lr, mom, wd, scale, mu, tau, beta, zero = hp[0], hp[1], hp[2], hp[3], hp[4], hp[5], hp[6], hp[7]
+    for j in nb.prange(m):
+        gW = np.zeros((K, D), W.dtype)
+        gb = np.zeros(K, W.dtype)
+        Z = np.zeros((4, K), W.dtype)
+        Zg = np.zeros((4, K), W.dtype)
+        G = np.zeros((4, K), W.dtype)
+        Wj = W[j]
+        bj = b[j]
+        for s in range(S):
+            c = cnt[s, j]
+            if c == 0:
+                break
+            gW[:] = 0
+            gb[:] = 0
+            inv = 1.0 / c
+            lsum = 0.0
+            for r0 in range(0, c, 4):
+                q = min(4, c - r0)
+                rows = idx[s, j, r0 : r0 + q]
+                if q == 4:
+                    x0 = feats[rows[0]]
+                    x1 = feats[rows[1]]
+                    x2 = feats[rows[2]]
+                    x3 = feats[rows[3]]
+                    _dots4(Wj, bj, x0, x1, x2, x3, scale, zero, Z)
+                    if mode == NTD:
+                        _dots4(Wg, bg, x0, x1, x2, x3, scale, zero, Zg)
+                    lsum += _grads(Z, Zg, G, gb, labels, rows, q, mode, scale, inv, tau, beta)
+                    _acc4(gW, G, x0, x1, x2, x3, zero)
+                else:
+                    for t in range(q):
+                        _dots1(Wj, bj, feats[rows[t]], scale, zero, Z, t)
+                        if mode == NTD:
+                            _dots1(Wg, bg, feats[rows[t]], scale, zero, Zg, t)
+                    lsum += _grads(Z, Zg, G, gb, labels, rows, q, mode, scale, inv, tau, beta)
+                    for t in range(q):
+                        _acc1(gW, G, feats[rows[t]], t)
+            # torch.optim.SGD: d = grad + wd p (+ the prox gradient mu (p - p_global)); buf = mom buf + d
+            # (buf starts at 0, so a client's first step has buf = d); p -= lr buf
+            prox = 0.0
+            if mu != 0:  # FedProx: + mu (p - p_global) (and its loss mu/2 ||p - p_global||^2 at this step)
+                for k in range(K):
+                    for d in range(D):
+                        diff = Wj[k, d] - Wg[k, d]
+                        prox += diff * diff
+                        gW[k, d] += mu * diff
+                    diff = bj[k] - bg[k]
+                    prox += diff * diff
+                    gb[k] += mu * diff
+            for k in range(K):
+                for d in range(D):
+                    mW[j, k, d] = mom * mW[j, k, d] + (gW[k, d] + wd * Wj[k, d])
+                    Wj[k, d] -= lr * mW[j, k, d]
+                mb[j, k] = mom * mb[j, k] + (gb[k] + wd * bj[k])
+                bj[k] -= lr * mb[j, k]
+            loss_out[s, j] = lsum * inv + 0.5 * mu * prox
+
+
+@nb.njit(parallel=True, cache=True)
+def _shuffle_tables(key, starts, sizes, first, B, idx, cnt):
+    m = sizes.shape[0]
+    for j in nb.prange(m):
+        n = sizes[j]
+        o = np.argsort(key[first[j] : first[j] + n], kind="mergesort")  # stable: ties keep position order
+        for r in range(n):
+            idx[r // B, j, r % B] = starts[j] + o[r]
+        for s in range(idx.shape[0]):
+            cnt[s, j] = min(B, max(0, n - s * B))
+
+
+def shuffle_tables(key, starts, sizes, B: int, threads: int):
+    """``engine.epoch_tables`` for the fused kernels, without the mask: ``idx [S, m, B]`` (client-major rows;
+    padding 0) and ``cnt [S, m]`` (real samples per step). ``key [M]`` the samples' shuffle keys, client after
+    client; ``starts [m]`` each client's first client-major row, ``sizes [m]`` its samples (numpy int64).
+    Client j's samples sorted by key (stably, as ``epoch_tables`` does) fill its steps in order."""
+    first = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    S = int(-(-sizes.max() // B)) if len(sizes) else 0
+    idx = np.zeros((S, len(sizes), B), dtype=np.int64)
+    cnt = np.zeros((S, len(sizes)), dtype=np.int64)
+    nb.set_num_threads(max(1, min(threads, nb.config.NUMBA_NUM_THREADS)))
+    _shuffle_tables(key, starts, sizes, first, B, idx, cnt)
+    return idx, cnt
+
+
+def linear_epoch(
+    feats, labels, idx, cnt, W, b, mW, mb, Wg, bg, *, lr, momentum, weight_decay, logit_scale,
+    mode=CE, mu=0.0, tau=1.0, beta=0.0, loss_out, threads: int,
+) -> None:  # fmt: skip
+    """One local epoch of the linear heads of clients ``0..m-1``, in place (numpy arrays; the float ones all of
+    one dtype, float32 or float64).
+
+    ``feats [N, D]`` client-major features, ``labels [N]`` int64; ``idx [S, m, B]`` client-major rows of each
+    step's mini-batch and ``cnt [S, m]`` its real samples (a prefix of the row; 0 once a client is done);
+    ``W [m, K, D]``, ``b [m, K]`` and their SGD momentum buffers ``mW``, ``mb`` (zeros at the start of a round);
+    ``Wg [K, D]``, ``bg [K]`` the round's global head (proximal term, distillation). Loss: ``mode`` ``CE`` (+
+    ``mu / 2 ||p - p_global||^2`` when ``mu``) or ``NTD`` (``tau``, ``beta``). Each step's loss (the client's
+    mean over its samples, + the proximal term) goes to ``loss_out [S, m]`` (float64). Runs on ``threads``
+    threads over clients.
+    """
+    dt = W.dtype
+    for a in (feats, b, mW, mb, Wg, bg):
+        if a.dtype != dt or not a.flags.c_contiguous:
+            raise TypeError(f"linear_epoch: arrays must be C-contiguous {dt}")
+    hp = np.array([lr, momentum, weight_decay, logit_scale, mu, tau, beta, 0.0], dtype=dt)
+    nb.set_num_threads(max(1, min(threads, nb.config.NUMBA_NUM_THREADS)))
+    _linear_epoch(feats, labels, idx, cnt, W, b, mW, mb, Wg, bg, hp, mode, loss_out)
