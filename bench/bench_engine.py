@@ -97,8 +97,9 @@ def ceilings(device: str) -> dict:
 
 
 def one(
-    method: str, clients: int, participation: float, engine: str, rounds: int, store: str, device: str
-) -> dict:
+    method: str, clients: int, participation: float, engine: str, rounds: int, store: str, device: str,
+    kernel: str = "auto",
+) -> dict:  # fmt: skip
     from fedfeat.engine import load_run_data, run_federated
     from fedfeat.methods import get_method
     from fedfeat.report import store_partition
@@ -120,8 +121,9 @@ def one(
 
     m.local_begin = counting_local_begin
     _, metrics = run_federated(
-        m, data, rounds=rounds + 1, participation=participation, seed=0, engine=engine, device=device
-    )
+        m, data, rounds=rounds + 1, participation=participation, seed=0, engine=engine, device=device,
+        kernel=kernel,
+    )  # fmt: skip
     # skip round 0 (evaluation only) and the warm-up round 1; time the training part of a round (local updates,
     # aggregation, server step): the test evaluation after it is the same code for both engines
     secs = [r["train_seconds"] for r in metrics[2:]]
@@ -129,8 +131,11 @@ def one(
     per_round_samples = totals["samples"] / (rounds + 1)
     per_round_syn = totals["synthetic"] / (rounds + 1)
     m_clients = max(1, int(participation * clients))
+    from fedfeat.engine import resolve_kernel
+
     return {
         "method": method,
+        "kernel": resolve_kernel(kernel, m, engine, torch.device(device)),
         "clients": clients,
         "participation": participation,
         "engine": engine,
@@ -152,24 +157,31 @@ def run_all(args) -> None:
     ceil = ceilings(args.device)
     rows = []
     configs = [(int(c.split(":")[0]), float(c.split(":")[1])) for c in args.configs.split(",")]
-    for method in args.methods.split(","):
+    loops: dict[
+        tuple, list[dict]
+    ] = {}  # the loop engine does not depend on --kernel: measured once per method
+    for spec in args.methods.split(","):
+        method, _, kernel = spec.partition(":")
+        kernel = kernel or "auto"
         for clients, part in configs:
             runs: dict[str, list[dict]] = {"batched": [], "loop": []}
+            have_loop = (method, clients, part) in loops
             sampled = max(1, int(part * clients))
             for rep in range(
                 args.repeats
             ):  # batched and loop interleaved: a slow spell of the host hits both
                 for engine in ("batched", "loop"):
-                    if engine == "loop" and sampled >= 1000 and rep > 0:
+                    if engine == "loop" and (have_loop or (sampled >= 1000 and rep > 0)):
                         continue  # the loop at >= 1,000 clients runs for minutes and varies little: one repeat
                     rounds = 1 if (engine == "loop" and sampled >= 1000) else args.rounds
-                    cmd = [sys.executable, __file__, "--one", f"{method},{clients},{part},{engine}",
+                    cmd = [sys.executable, __file__, "--one", f"{method},{clients},{part},{engine},{kernel}",
                            "--rounds", str(rounds), "--store", args.store, "--device", args.device]  # fmt: skip
                     t = time.perf_counter()
                     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
                     runs[engine].append(json.loads(out.strip().splitlines()[-1]))
                     print(f"{method} {clients}x{part:g} {engine} #{rep}: {runs[engine][-1]['sec_per_round']:.4f} "
                           f"s/round ({time.perf_counter() - t:.0f} s)", flush=True)  # fmt: skip
+            runs["loop"] = loops.setdefault((method, clients, part), runs["loop"])
             b = dict(runs["batched"][0])
             b["sec_per_round"] = statistics.median(r["sec_per_round"] for r in runs["batched"])
             b["peak_rss_mib"] = max(r["peak_rss_mib"] for r in runs["batched"])
@@ -200,13 +212,13 @@ def write_md(args, ceil: dict, rows: list[dict]) -> None:
         f"interleaved) of the median of {args.rounds} rounds after a warm-up round; the loop at >= 1,000 sampled "
         "clients: one process, one timed round.",
         "",
-        "| method | clients x participation | sampled | batched s/round | loop s/round | loop / batched | "
+        "| method | kernel | clients x participation | sampled | batched s/round | loop s/round | loop / batched | "
         "floor s (bytes + FLOPs) | batched / floor | batched / thin-GEMM floor | peak RSS batched / loop (MiB) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['method']} | {r['clients']:,} x {r['participation'] * 100:g}% | {r['sampled']:,} | "
+            f"| {r['method']} | {r['kernel']} | {r['clients']:,} x {r['participation'] * 100:g}% | {r['sampled']:,} | "
             f"{r['sec_per_round']:.4f} | {r['loop_sec']:.4f} | **{r['loop_sec'] / r['sec_per_round']:.1f}x** | "
             f"{r['floor']:.4f} ({r['floor_bytes']:.4f} + {r['floor_flops']:.4f}) | "
             f"{r['sec_per_round'] / r['floor']:.1f}x | {r['sec_per_round'] / r['floor_thin']:.1f}x | "
@@ -229,7 +241,8 @@ def write_md(args, ceil: dict, rows: list[dict]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", default="fedavg,fst-cbdg")
+    ap.add_argument("--methods", default="fedavg,fedavg:torch,fst-cbdg",
+                    help="methods, each optionally with :kernel (auto, fused, torch)")  # fmt: skip
     ap.add_argument("--configs", default="100:0.1,100:1.0,1000:0.1,1000:1.0,10000:0.1,10000:1.0",
                     help="clients:participation pairs")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds (after one warm-up round)")
@@ -242,10 +255,9 @@ def main() -> None:
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        method, clients, part, engine = args.one.split(",")
-        print(
-            json.dumps(one(method, int(clients), float(part), engine, args.rounds, args.store, args.device))
-        )
+        method, clients, part, engine, kernel = args.one.split(",")
+        print(json.dumps(one(method, int(clients), float(part), engine, args.rounds, args.store, args.device,
+                             kernel)))  # fmt: skip
     else:
         run_all(args)
 

@@ -175,25 +175,55 @@ def _grads(Z, Zg, G, gb, labels, rows, q, mode, scale, inv, tau, beta):
     return lsum
 
 
+@nb.njit
+def _begin_step(cnt, s, j, gW, gb):
+    """Zero the gradients for client ``j``'s step ``s``; returns its number of real samples."""
+    gW[:] = 0
+    gb[:] = 0
+    return cnt[s, j]
+
+
+@nb.njit
+def _client(W, b, j):
+    """Client ``j``'s head (views) and a thread's scratch for it: weight / bias gradients, two ``[4, K]`` logit
+    blocks, the logit gradients ``[4, K]`` and four ``[D]`` rows for formed (synthetic) samples."""
+    K, D = W.shape[1], W.shape[2]
+    z = np.zeros((4, K), W.dtype)
+    scratch = (
+        np.zeros((K, D), W.dtype),
+        np.zeros(K, W.dtype),
+        z,
+        z.copy(),
+        z.copy(),
+        np.zeros((4, D), W.dtype),
+    )
+    return (W[j], b[j]) + scratch
+
+
+@nb.njit(fastmath=True)
+def _sgd(Wj, bj, mWj, mbj, gW, gb, lr, mom, wd):
+    """``torch.optim.SGD`` (dampening 0, no Nesterov): ``d = grad + wd p``; ``buf = mom buf + d`` (``buf``
+    starts at 0, so a client's first step has ``buf = d``); ``p -= lr buf``."""
+    K, D = Wj.shape
+    for k in range(K):
+        for d in range(D):
+            mWj[k, d] = mom * mWj[k, d] + (gW[k, d] + wd * Wj[k, d])
+            Wj[k, d] -= lr * mWj[k, d]
+        mbj[k] = mom * mbj[k] + (gb[k] + wd * bj[k])
+        bj[k] -= lr * mbj[k]
+
+
 @nb.njit(parallel=True, fastmath=True, cache=True)
 def _linear_epoch(feats, labels, idx, cnt, W, b, mW, mb, Wg, bg, hp, mode, loss_out):
     S, m, _ = idx.shape
     K, D = W.shape[1], W.shape[2]
     lr, mom, wd, scale, mu, tau, beta, zero = hp[0], hp[1], hp[2], hp[3], hp[4], hp[5], hp[6], hp[7]
     for j in nb.prange(m):
-        gW = np.zeros((K, D), W.dtype)
-        gb = np.zeros(K, W.dtype)
-        Z = np.zeros((4, K), W.dtype)
-        Zg = np.zeros((4, K), W.dtype)
-        G = np.zeros((4, K), W.dtype)
-        Wj = W[j]
-        bj = b[j]
+        Wj, bj, gW, gb, Z, Zg, G, _ = _client(W, b, j)
         for s in range(S):
-            c = cnt[s, j]
+            c = _begin_step(cnt, s, j, gW, gb)
             if c == 0:
-                break
-            gW[:] = 0
-            gb[:] = 0
+                break  # the client has no more steps (it is done)
             inv = 1.0 / c
             lsum = 0.0
             for r0 in range(0, c, 4):
@@ -217,8 +247,6 @@ def _linear_epoch(feats, labels, idx, cnt, W, b, mW, mb, Wg, bg, hp, mode, loss_
                     lsum += _grads(Z, Zg, G, gb, labels, rows, q, mode, scale, inv, tau, beta)
                     for t in range(q):
                         _acc1(gW, G, feats[rows[t]], t)
-            # torch.optim.SGD: d = grad + wd p (+ the prox gradient mu (p - p_global)); buf = mom buf + d
-            # (buf starts at 0, so a client's first step has buf = d); p -= lr buf
             prox = 0.0
             if mu != 0:  # FedProx: + mu (p - p_global) (and its loss mu/2 ||p - p_global||^2 at this step)
                 for k in range(K):
@@ -229,13 +257,119 @@ def _linear_epoch(feats, labels, idx, cnt, W, b, mW, mb, Wg, bg, hp, mode, loss_
                     diff = bj[k] - bg[k]
                     prox += diff * diff
                     gb[k] += mu * diff
-            for k in range(K):
-                for d in range(D):
-                    mW[j, k, d] = mom * mW[j, k, d] + (gW[k, d] + wd * Wj[k, d])
-                    Wj[k, d] -= lr * mW[j, k, d]
-                mb[j, k] = mom * mb[j, k] + (gb[k] + wd * bj[k])
-                bj[k] -= lr * mb[j, k]
+            _sgd(Wj, bj, mW[j], mb[j], gW, gb, lr, mom, wd)
             loss_out[s, j] = lsum * inv + 0.5 * mu * prox
+
+
+@nb.njit(fastmath=True)
+def _soft_grads(Z, G, q, rows, n, beta, st, coef):
+    """FST-CBDG's real samples: ``f = softmax(z)``; the soft label is updated first, ``q <- beta q +
+    (1 - beta) f`` (written back); with self-training (``st``) ``G = coef (f sum(q) - q)``, the gradient of
+    ``-sum_k q_k log f_k``, else ``G = 0``. Returns the summed self-training loss."""
+    K = Z.shape[1]
+    lsum = 0.0
+    for t in range(n):
+        qr = q[rows[t]]
+        lse = _ce_grad(Z[t], 0, G[t])  # G = softmax - onehot(0), lse - z_0
+        G[t, 0] += 1  # G[t] = softmax(z)
+        lse += Z[t, 0]  # log sum exp z
+        qs = 0.0
+        for k in range(K):
+            qr[k] = beta * qr[k] + (1 - beta) * G[t, k]
+            qs += qr[k]
+        for k in range(K):
+            if st:
+                lsum += qr[k] * (lse - Z[t, k])
+                G[t, k] = coef * (G[t, k] * qs - qr[k])
+            else:
+                G[t, k] = 0
+    return lsum
+
+
+@nb.njit(fastmath=True)
+def _synthetic(X, text, bank, cls, sign, s, p0, n, sig, renorm):
+    """Rows ``X[:n]`` = synthetic samples ``p0 .. p0+n-1`` of step ``s``: ``T_c + sig * sign * eps_p``
+    (divided by their norm when ``renorm``)."""
+    D = X.shape[1]
+    for t in range(n):
+        c = cls[p0 + t]
+        a = sig * sign[p0 + t]
+        e = bank[s, p0 + t]
+        sq = 0.0
+        for d in range(D):
+            v = text[c, d] + a * e[d]
+            X[t, d] = v
+            sq += v * v
+        if renorm:
+            inv = 1.0 / np.sqrt(max(sq, 1e-24))
+            for d in range(D):
+                X[t, d] *= inv
+
+
+@nb.njit(parallel=True, fastmath=True, cache=True)
+def _fst_epoch(feats, idx, cnt, q, W, b, mW, mb, text, syn_cls, syn_cnt, syn_sign, bank, hp, loss_out):
+    S, m, _ = idx.shape
+    K, D = W.shape[1], W.shape[2]
+    lr, mom, wd, scale, beta, lam, sig, zero = hp[0], hp[1], hp[2], hp[3], hp[4], hp[5], hp[6], hp[9]
+    st = hp[7] != 0
+    renorm = hp[8] != 0
+    Ssyn = syn_cls.shape[0]
+    for j in nb.prange(m):
+        Wj, bj, gW, gb, Z, _, G, X = _client(W, b, j)
+        for s in range(S):
+            c = _begin_step(cnt, s, j, gW, gb)
+            if c == 0:
+                break  # the client has no more steps (it is done)
+            coef = scale / c
+            lsum = 0.0
+            for r0 in range(0, c, 4):  # real samples: soft-label update, self-training gradient
+                n = min(4, c - r0)
+                rows = idx[s, j, r0 : r0 + n]
+                if n == 4:
+                    x0, x1, x2, x3 = feats[rows[0]], feats[rows[1]], feats[rows[2]], feats[rows[3]]
+                    _dots4(Wj, bj, x0, x1, x2, x3, scale, zero, Z)
+                    lsum += _soft_grads(Z, G, q, rows, n, beta, st, coef)
+                    if st:
+                        _acc4(gW, G, x0, x1, x2, x3, zero)
+                else:
+                    for t in range(n):
+                        _dots1(Wj, bj, feats[rows[t]], scale, zero, Z, t)
+                    lsum += _soft_grads(Z, G, q, rows, n, beta, st, coef)
+                    if st:
+                        for t in range(n):
+                            _acc1(gW, G, feats[rows[t]], t)
+                if st:
+                    for t in range(n):
+                        for k in range(K):
+                            gb[k] += G[t, k]
+            loss = lsum / c
+            cs = syn_cnt[s, j] if s < Ssyn else 0
+            if cs > 0:  # this step's synthetic samples: lam * mean CE with their class labels
+                scoef = lam * scale / cs
+                ssum = 0.0
+                cls = syn_cls[s, j]
+                sign = syn_sign[s, j]
+                for p0 in range(0, cs, 4):
+                    n = min(4, cs - p0)
+                    _synthetic(X, text, bank, cls, sign, s, p0, n, sig, renorm)
+                    if n == 4:
+                        _dots4(Wj, bj, X[0], X[1], X[2], X[3], scale, zero, Z)
+                    else:
+                        for t in range(n):
+                            _dots1(Wj, bj, X[t], scale, zero, Z, t)
+                    for t in range(n):
+                        ssum += _ce_grad(Z[t], cls[p0 + t], G[t])
+                        for k in range(K):
+                            G[t, k] *= scoef
+                            gb[k] += G[t, k]
+                    if n == 4:
+                        _acc4(gW, G, X[0], X[1], X[2], X[3], zero)
+                    else:
+                        for t in range(n):
+                            _acc1(gW, G, X[t], t)
+                loss += lam * ssum / cs
+            _sgd(Wj, bj, mW[j], mb[j], gW, gb, lr, mom, wd)
+            loss_out[s, j] = loss
 
 
 @nb.njit(parallel=True, cache=True)
@@ -286,3 +420,38 @@ def linear_epoch(
     hp = np.array([lr, momentum, weight_decay, logit_scale, mu, tau, beta, 0.0], dtype=dt)
     nb.set_num_threads(max(1, min(threads, nb.config.NUMBA_NUM_THREADS)))
     _linear_epoch(feats, labels, idx, cnt, W, b, mW, mb, Wg, bg, hp, mode, loss_out)
+
+
+def fst_epoch(
+    feats, idx, cnt, q, W, b, mW, mb, text, syn_cls, syn_cnt, syn_sign, bank, *, lr, momentum, weight_decay,
+    logit_scale, beta, lam, sigma, self_training, renormalize, loss_out, threads: int,
+) -> None:  # fmt: skip
+    """One local epoch of FST-CBDG for clients ``0..m-1``, in place (``fedfeat.methods.fst_cbdg``).
+
+    As ``linear_epoch`` for ``feats, idx, cnt, W, b, mW, mb, loss_out``; ``q [N, K]`` the soft pseudo-labels
+    (updated in place for each step's samples before the step's gradient); ``text [K, D]`` the class
+    prototypes; synthetic samples of step ``s`` and client ``j``: ``syn_cnt [S', m]`` of them, classes
+    ``syn_cls [S', m, P]``, signs ``syn_sign [S', m, P]``, noise rows ``bank [S', P, D]`` (row p for slot p);
+    ``sigma`` in feature units (already divided by sqrt(D)).
+    """
+    dt = W.dtype
+    for a in (feats, q, b, mW, mb, text, syn_sign, bank):
+        if a.dtype != dt or not a.flags.c_contiguous:
+            raise TypeError(f"fst_epoch: arrays must be C-contiguous {dt}")
+    hp = np.array(
+        [
+            lr,
+            momentum,
+            weight_decay,
+            logit_scale,
+            beta,
+            lam,
+            sigma,
+            float(self_training),
+            float(renormalize),
+            0.0,
+        ],
+        dtype=dt,
+    )
+    nb.set_num_threads(max(1, min(threads, nb.config.NUMBA_NUM_THREADS)))
+    _fst_epoch(feats, idx, cnt, q, W, b, mW, mb, text, syn_cls, syn_cnt, syn_sign, bank, hp, loss_out)

@@ -82,7 +82,7 @@ def test_unknown_method_lists_the_known(store, tmp_path):
 
 
 def test_kernel_flag(store, tmp_path):
-    r = runner.invoke(app, ["train", "--store", str(store), "--method", "fst-cbdg", "--kernel", "fused", "--clients", "10",
+    r = runner.invoke(app, ["train", "--store", str(store), "--method", "creff", "--kernel", "fused", "--clients", "10",
                             "--out", str(tmp_path)])  # fmt: skip
     assert r.exit_code == 2 and "no fused kernel" in r.output and len(r.output.strip().splitlines()) == 1
     _train(store, tmp_path, "--method", "fedavg", "--name", "f", "--set", "batch_size=8", "--kernel", "fused")

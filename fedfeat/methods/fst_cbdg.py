@@ -35,6 +35,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -151,7 +152,7 @@ class FSTCBDG(LinearHead):
             1 << 20
         ) + torch.arange(P).view(1, 1, P)
         sk = rng.uniform_keys(rng.stream_key(ctx.seed, plan.rnd, epoch, rng.TAG_SYNTH_OFFSET), sid)
-        sign = (sk & 1).to(torch.float32) * 2 - 1
+        sign = (sk & 1).to(ctx.text.dtype) * 2 - 1  # the run's dtype: a float32 sign would round sigma
         dev = ctx.device
         local["syn"] = {
             "cls": tab_cls.to(dev),
@@ -222,6 +223,39 @@ class FSTCBDG(LinearHead):
                 ce = F.cross_entropy(zs.transpose(1, 2), cls, reduction="none")
                 loss = loss + p.lam * masked_mean(ce, smask)
         return loss
+
+    def fused_loss(self):
+        return "fst-cbdg"  # kernels.fst_epoch
+
+    def fused_epoch(self, ctx, plan, glob, local, params, opt, idx, cnt):
+        """The epoch in ``fedfeat.kernels.fst_epoch``: the same soft-label updates, self-training loss and
+        synthetic samples (the noise bank rows of every step drawn up front, as ``_noise`` draws them)."""
+        from fedfeat import kernels
+
+        p = self.p
+        W = params["W"]
+        m, D, dt = plan.m, ctx.D, W.numpy().dtype
+        bufs = opt.state.setdefault("fused", {k: torch.zeros_like(v) for k, v in params.items()})
+        syn = local["syn"]
+        if syn is None:
+            syn_cls, syn_cnt = np.zeros((0, m, 1), np.int64), np.zeros((0, m), np.int64)
+            syn_sign, bank = np.zeros((0, m, 1), dt), np.zeros((0, 1, D), dt)
+        else:
+            syn_cls, syn_cnt = syn["cls"].numpy(), syn["mask"].sum(-1).numpy()
+            syn_sign = syn["sign"].to(W.dtype).numpy()
+            P = syn_cls.shape[2]
+            bank = torch.stack(
+                [self._noise(ctx, local["rnd"], syn["epoch"], s, P) for s in range(syn_cls.shape[0])]
+            ).numpy()
+        losses = np.zeros(cnt.shape, dtype=np.float64)
+        kernels.fst_epoch(
+            ctx.feats.numpy(), idx, cnt, ctx.state["q"].numpy(), W.numpy(), params["b"].numpy(),
+            bufs["W"].numpy(), bufs["b"].numpy(), ctx.text.contiguous().numpy(), syn_cls, syn_cnt, syn_sign, bank,
+            lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay, logit_scale=p.logit_scale,
+            beta=p.beta, lam=p.lam, sigma=p.sigma / math.sqrt(D), self_training=p.self_training,
+            renormalize=p.renormalize_synthetic, loss_out=losses, threads=torch.get_num_threads(),
+        )  # fmt: skip
+        return losses
 
     # ------------------------------------------------------------------ metrics
     def round_metrics(self, ctx: Context, data, glob: dict, ev: dict) -> dict:
