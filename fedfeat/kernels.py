@@ -309,7 +309,7 @@ def _synthetic(X, text, bank, cls, sign, s, p0, n, sig, renorm):
 @nb.njit(parallel=True, fastmath=True, cache=True)
 def _fst_epoch(feats, idx, cnt, q, W, b, mW, mb, text, syn_cls, syn_cnt, syn_sign, bank, hp, loss_out):
     S, m, _ = idx.shape
-    K, D = W.shape[1], W.shape[2]
+    K = W.shape[1]
     lr, mom, wd, scale, beta, lam, sig, zero = hp[0], hp[1], hp[2], hp[3], hp[4], hp[5], hp[6], hp[9]
     st = hp[7] != 0
     renorm = hp[8] != 0
