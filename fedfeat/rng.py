@@ -22,12 +22,24 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 31) & ((1 << 33) - 1))
 
 
+_M64 = (1 << 64) - 1
+
+
+def _mix_u64(u: int) -> int:
+    """``_mix`` on one python int in [0, 2^64) (the int64 bit pattern): no tensor per call."""
+    u ^= u >> 30
+    u = (u * 0xBF58476D1CE4E5B9) & _M64
+    u ^= u >> 27
+    u = (u * 0x94D049BB133111EB) & _M64
+    return u ^ (u >> 31)
+
+
 def _mix_int(*parts: int) -> int:
-    """Hash a tuple of python ints to one int64 (chained splitmix)."""
-    h = torch.tensor(0x1234567, dtype=torch.int64)
+    """Hash a tuple of python ints to one int64 (chained splitmix; bit for bit the tensor ``_mix``)."""
+    u = 0x1234567
     for p in parts:
-        h = _mix(h + _GOLDEN + torch.tensor(int(p) & ((1 << 62) - 1), dtype=torch.int64))
-    return int(h)
+        u = _mix_u64((u + _GOLDEN + (int(p) & ((1 << 62) - 1))) & _M64)
+    return u - (1 << 64) if u >> 63 else u
 
 
 def stream_key(*parts: int) -> int:

@@ -265,3 +265,16 @@ def test_unknown_method_and_key():
         get_method("nope")
     with pytest.raises(FedfeatError, match="valid keys: .*beta"):
         get_method("fst-cbdg", {"betta": "1"})
+
+
+def test_stream_keys_are_the_tensor_hash():
+    """``stream_key`` hashes python ints without tensors; it must stay bit for bit the int64 tensor hash
+    (every shuffle and draw of every run depends on it): pinned values and a check against ``_mix``."""
+    from fedfeat import rng
+
+    assert rng.stream_key(0, 1, 2, 3) == 1901318328662684678
+    assert rng.stream_key(19940817, 7, 0, 5) == 8571754631293477877
+    vals = torch.tensor([0, 1, -1, 2**62, -(2**63), 123456789012345, -987654321], dtype=torch.int64)
+    for v, t in zip(vals.tolist(), rng._mix(vals).tolist()):
+        u = rng._mix_u64(v & rng._M64)
+        assert (u - (1 << 64) if u >> 63 else u) == t
