@@ -226,11 +226,14 @@ def write_md(args, ceil: dict, rows: list[dict]) -> None:
         )
     lines += [
         "",
-        "Reading the floor columns: the strict floor prices the round's FLOPs at the square-matmul peak. The round's "
-        "GEMMs are thin (10 outputs per client), and BLAS runs them at about a quarter of that peak here, so on this "
-        "CPU the batched round stays several times above the strict floor; against the floor priced at the measured "
-        "thin-GEMM rate it is within about 2x at 100 clients x 100%. Per step the batched engine moves each sample "
-        "three times (gather into the preallocated buffer, forward, weight gradient) where the floor counts one read.",
+        "Reading the columns: `kernel` is what `--kernel auto` (the default) chose, or the kernel forced with "
+        "`method:kernel`. `fused` (a compiled CPU kernel per local epoch, `fedfeat/kernels.py`) reads each sample "
+        "once per step, as the floor assumes; what separates it from the strict floor is arithmetic rate: its "
+        "per-client products have K = 10 outputs and run at roughly half the square-matmul rate per core. `torch` "
+        "(the batched tensor program, the GPU path) moves each sample three times per step (gather into the "
+        "preallocated buffer, forward, weight gradient) and runs thin GEMMs through BLAS; the thin-GEMM floor "
+        "prices the FLOPs at the rate BLAS reaches on the round's own shapes. The loop engine is the same for both "
+        "kernels (measured once per method).",
         "",
     ]
     out = Path(args.out)
