@@ -147,9 +147,20 @@ def plan_rows(ctx: Context, plan: RoundPlan) -> tuple[torch.Tensor, torch.Tensor
     return seg, local, ctx.offsets[plan.clients][seg] + local
 
 
-def shuffle_keys(ctx: Context, plan: RoundPlan, epoch: int, pos: torch.Tensor) -> torch.Tensor:
-    """``[M]`` int64 shuffle keys of the samples at client-major positions ``pos`` in this round's epoch."""
-    return rng.uniform_keys(rng.stream_key(ctx.seed, plan.rnd, epoch, rng.TAG_SHUFFLE), pos)
+def shuffle_key(ctx: Context, plan: RoundPlan, epoch: int) -> int:
+    """The stream key of this round's epoch's shuffles (a sample's key: ``rng.uniform_keys(key, position)``)."""
+    return rng.stream_key(ctx.seed, plan.rnd, epoch, rng.TAG_SHUFFLE)
+
+
+def fused_batches(ctx: Context, plan: RoundPlan, epoch: int) -> dict:
+    """What a fused kernel needs to cut the epoch into ``epoch_tables``' mini-batches itself: each client's
+    first client-major row and size (numpy int64), the batch size and the shuffle key."""
+    return {
+        "starts": ctx.offsets[plan.clients].numpy(),
+        "sizes": plan.sizes.numpy(),
+        "B": plan.batch_size,
+        "key": shuffle_key(ctx, plan, epoch),
+    }
 
 
 def epoch_tables(ctx: Context, plan: RoundPlan, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,7 +171,7 @@ def epoch_tables(ctx: Context, plan: RoundPlan, epoch: int) -> tuple[torch.Tenso
     """
     B = plan.batch_size
     seg, local, pos = plan_rows(ctx, plan)  # [M] client slot, index within client, client-major position
-    key = shuffle_keys(ctx, plan, epoch, pos)
+    key = rng.uniform_keys(shuffle_key(ctx, plan, epoch), pos)
     # sort by (segment, key): segment-major composite sort, keys are < 2^62 so sort keys then stable by seg
     o1 = torch.argsort(key, stable=True)
     o2 = torch.argsort(seg[o1], stable=True)
@@ -205,20 +216,11 @@ def run_local(
         (), dtype=torch.float64, device=ctx.device
     )  # summed on the device: no sync per step
     loss_n = 0
-    if kernel == "fused":
-        from fedfeat import kernels
-
-        pos = plan_rows(ctx, plan)[2]
-        starts, sizes = ctx.offsets[plan.clients].numpy(), plan.sizes.numpy()
     for epoch in range(plan.epochs):
-        if (
-            kernel == "fused"
-        ):  # the same tables as epoch_tables (without the mask), built in the kernel module
-            key = shuffle_keys(ctx, plan, epoch, pos).numpy()
-            idx, cnt = kernels.shuffle_tables(key, starts, sizes, plan.batch_size, torch.get_num_threads())
+        if kernel == "fused":  # the whole epoch in the method's compiled kernel (it shuffles as epoch_tables)
             method.epoch_begin(ctx, plan, local, epoch)
-            loss_sum += float(method.fused_epoch(ctx, plan, glob, local, params, opt, idx, cnt).sum())
-            loss_n += int((cnt > 0).sum())
+            loss_sum += float(method.fused_epoch(ctx, plan, glob, local, params, opt, epoch).sum())
+            loss_n += int(plan.steps.sum())
             continue
         idx, mask = epoch_tables(ctx, plan, epoch)
         # batch width per step: B, or less when every active client is on a smaller (last) batch -- clients

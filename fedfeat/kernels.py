@@ -175,12 +175,40 @@ def _grads(Z, Zg, G, gb, labels, rows, q, mode, scale, inv, tau, beta):
     return lsum
 
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_MASK62 = np.uint64((1 << 62) - 1)
+
+
 @nb.njit
-def _begin_step(cnt, s, j, gW, gb):
-    """Zero the gradients for client ``j``'s step ``s``; returns its number of real samples."""
+def _uniform_key(key, pos):
+    """``fedfeat.rng.uniform_keys(key, pos)`` for one position (the same splitmix64 bits, on uint64)."""
+    u = np.uint64(pos) * _GOLDEN + key
+    u ^= u >> np.uint64(30)
+    u *= _MIX1
+    u ^= u >> np.uint64(27)
+    u *= _MIX2
+    u ^= u >> np.uint64(31)
+    return np.int64(u & _MASK62)
+
+
+@nb.njit
+def _client_rows(key, start, n):
+    """Client-major rows ``start .. start+n-1`` in this epoch's shuffled order: sorted by their counter-based
+    keys, stably, as ``engine.epoch_tables`` sorts them (step ``s`` takes ranks ``s*B .. s*B+B-1``)."""
+    k = np.empty(n, np.int64)
+    for r in range(n):
+        k[r] = _uniform_key(key, start + r)
+    return np.argsort(k, kind="mergesort") + start
+
+
+@nb.njit
+def _begin_step(gW, gb, n, s, B):
+    """Zero the gradients for a client's step ``s``; returns its number of samples (the last batch is smaller)."""
     gW[:] = 0
     gb[:] = 0
-    return cnt[s, j]
+    return min(B, n - s * B)
 
 
 @nb.njit
@@ -214,21 +242,21 @@ def _sgd(Wj, bj, mWj, mbj, gW, gb, lr, mom, wd):
 
 
 @nb.njit(parallel=True, fastmath=True, cache=True)
-def _linear_epoch(feats, labels, idx, cnt, W, b, mW, mb, Wg, bg, hp, mode, loss_out):
-    S, m, _ = idx.shape
+def _linear_epoch(feats, labels, starts, sizes, B, key, W, b, mW, mb, Wg, bg, hp, mode, loss_out):
+    m = sizes.shape[0]
     K, D = W.shape[1], W.shape[2]
     lr, mom, wd, scale, mu, tau, beta, zero = hp[0], hp[1], hp[2], hp[3], hp[4], hp[5], hp[6], hp[7]
     for j in nb.prange(m):
         Wj, bj, gW, gb, Z, Zg, G, _ = _client(W, b, j)
-        for s in range(S):
-            c = _begin_step(cnt, s, j, gW, gb)
-            if c == 0:
-                break  # the client has no more steps (it is done)
+        n_j = sizes[j]
+        prow = _client_rows(key, starts[j], n_j)
+        for s in range((n_j + B - 1) // B):
+            c = _begin_step(gW, gb, n_j, s, B)
             inv = 1.0 / c
             lsum = 0.0
             for r0 in range(0, c, 4):
                 q = min(4, c - r0)
-                rows = idx[s, j, r0 : r0 + q]
+                rows = prow[s * B + r0 : s * B + r0 + q]
                 if q == 4:
                     x0 = feats[rows[0]]
                     x1 = feats[rows[1]]
@@ -307,8 +335,10 @@ def _synthetic(X, text, bank, cls, sign, s, p0, n, sig, renorm):
 
 
 @nb.njit(parallel=True, fastmath=True, cache=True)
-def _fst_epoch(feats, idx, cnt, q, W, b, mW, mb, text, syn_cls, syn_cnt, syn_sign, bank, hp, loss_out):
-    S, m, _ = idx.shape
+def _fst_epoch(
+    feats, starts, sizes, B, key, q, W, b, mW, mb, text, syn_cls, syn_cnt, syn_sign, bank, hp, loss_out
+):
+    m = sizes.shape[0]
     K = W.shape[1]
     lr, mom, wd, scale, beta, lam, sig, zero = hp[0], hp[1], hp[2], hp[3], hp[4], hp[5], hp[6], hp[9]
     st = hp[7] != 0
@@ -316,15 +346,15 @@ def _fst_epoch(feats, idx, cnt, q, W, b, mW, mb, text, syn_cls, syn_cnt, syn_sig
     Ssyn = syn_cls.shape[0]
     for j in nb.prange(m):
         Wj, bj, gW, gb, Z, _, G, X = _client(W, b, j)
-        for s in range(S):
-            c = _begin_step(cnt, s, j, gW, gb)
-            if c == 0:
-                break  # the client has no more steps (it is done)
+        n_j = sizes[j]
+        prow = _client_rows(key, starts[j], n_j)
+        for s in range((n_j + B - 1) // B):
+            c = _begin_step(gW, gb, n_j, s, B)
             coef = scale / c
             lsum = 0.0
             for r0 in range(0, c, 4):  # real samples: soft-label update, self-training gradient
                 n = min(4, c - r0)
-                rows = idx[s, j, r0 : r0 + n]
+                rows = prow[s * B + r0 : s * B + r0 + n]
                 if n == 4:
                     x0, x1, x2, x3 = feats[rows[0]], feats[rows[1]], feats[rows[2]], feats[rows[3]]
                     _dots4(Wj, bj, x0, x1, x2, x3, scale, zero, Z)
@@ -372,41 +402,16 @@ def _fst_epoch(feats, idx, cnt, q, W, b, mW, mb, text, syn_cls, syn_cnt, syn_sig
             loss_out[s, j] = loss
 
 
-@nb.njit(parallel=True, cache=True)
-def _shuffle_tables(key, starts, sizes, first, B, idx, cnt):
-    m = sizes.shape[0]
-    for j in nb.prange(m):
-        n = sizes[j]
-        o = np.argsort(key[first[j] : first[j] + n], kind="mergesort")  # stable: ties keep position order
-        for r in range(n):
-            idx[r // B, j, r % B] = starts[j] + o[r]
-        for s in range(idx.shape[0]):
-            cnt[s, j] = min(B, max(0, n - s * B))
-
-
-def shuffle_tables(key, starts, sizes, B: int, threads: int):
-    """``engine.epoch_tables`` for the fused kernels, without the mask: ``idx [S, m, B]`` (client-major rows;
-    padding 0) and ``cnt [S, m]`` (real samples per step). ``key [M]`` the samples' shuffle keys, client after
-    client; ``starts [m]`` each client's first client-major row, ``sizes [m]`` its samples (numpy int64).
-    Client j's samples sorted by key (stably, as ``epoch_tables`` does) fill its steps in order."""
-    first = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-    S = int(-(-sizes.max() // B)) if len(sizes) else 0
-    idx = np.zeros((S, len(sizes), B), dtype=np.int64)
-    cnt = np.zeros((S, len(sizes)), dtype=np.int64)
-    nb.set_num_threads(max(1, min(threads, nb.config.NUMBA_NUM_THREADS)))
-    _shuffle_tables(key, starts, sizes, first, B, idx, cnt)
-    return idx, cnt
-
-
 def linear_epoch(
-    feats, labels, idx, cnt, W, b, mW, mb, Wg, bg, *, lr, momentum, weight_decay, logit_scale,
+    feats, labels, starts, sizes, B, key, W, b, mW, mb, Wg, bg, *, lr, momentum, weight_decay, logit_scale,
     mode=CE, mu=0.0, tau=1.0, beta=0.0, loss_out, threads: int,
 ) -> None:  # fmt: skip
     """One local epoch of the linear heads of clients ``0..m-1``, in place (numpy arrays; the float ones all of
     one dtype, float32 or float64).
 
-    ``feats [N, D]`` client-major features, ``labels [N]`` int64; ``idx [S, m, B]`` client-major rows of each
-    step's mini-batch and ``cnt [S, m]`` its real samples (a prefix of the row; 0 once a client is done);
+    ``feats [N, D]`` client-major features, ``labels [N]`` int64; client j holds rows ``starts[j] ..
+    starts[j] + sizes[j] - 1``, shuffled in the kernel by ``key`` (``engine.shuffle_key``: the
+    order of ``engine.epoch_tables``) into mini-batches of ``B`` (the last one smaller);
     ``W [m, K, D]``, ``b [m, K]`` and their SGD momentum buffers ``mW``, ``mb`` (zeros at the start of a round);
     ``Wg [K, D]``, ``bg [K]`` the round's global head (proximal term, distillation). Loss: ``mode`` ``CE`` (+
     ``mu / 2 ||p - p_global||^2`` when ``mu``) or ``NTD`` (``tau``, ``beta``). Each step's loss (the client's
@@ -419,16 +424,16 @@ def linear_epoch(
             raise TypeError(f"linear_epoch: arrays must be C-contiguous {dt}")
     hp = np.array([lr, momentum, weight_decay, logit_scale, mu, tau, beta, 0.0], dtype=dt)
     nb.set_num_threads(max(1, min(threads, nb.config.NUMBA_NUM_THREADS)))
-    _linear_epoch(feats, labels, idx, cnt, W, b, mW, mb, Wg, bg, hp, mode, loss_out)
+    _linear_epoch(feats, labels, starts, sizes, B, np.uint64(key), W, b, mW, mb, Wg, bg, hp, mode, loss_out)
 
 
 def fst_epoch(
-    feats, idx, cnt, q, W, b, mW, mb, text, syn_cls, syn_cnt, syn_sign, bank, *, lr, momentum, weight_decay,
-    logit_scale, beta, lam, sigma, self_training, renormalize, loss_out, threads: int,
+    feats, starts, sizes, B, key, q, W, b, mW, mb, text, syn_cls, syn_cnt, syn_sign, bank, *, lr, momentum,
+    weight_decay, logit_scale, beta, lam, sigma, self_training, renormalize, loss_out, threads: int,
 ) -> None:  # fmt: skip
     """One local epoch of FST-CBDG for clients ``0..m-1``, in place (``fedfeat.methods.fst_cbdg``).
 
-    As ``linear_epoch`` for ``feats, idx, cnt, W, b, mW, mb, loss_out``; ``q [N, K]`` the soft pseudo-labels
+    As ``linear_epoch`` for ``feats, starts, sizes, B, key, W, b, mW, mb, loss_out``; ``q [N, K]`` the soft pseudo-labels
     (updated in place for each step's samples before the step's gradient); ``text [K, D]`` the class
     prototypes; synthetic samples of step ``s`` and client ``j``: ``syn_cnt [S', m]`` of them, classes
     ``syn_cls [S', m, P]``, signs ``syn_sign [S', m, P]``, noise rows ``bank [S', P, D]`` (row p for slot p);
@@ -454,4 +459,7 @@ def fst_epoch(
         dtype=dt,
     )
     nb.set_num_threads(max(1, min(threads, nb.config.NUMBA_NUM_THREADS)))
-    _fst_epoch(feats, idx, cnt, q, W, b, mW, mb, text, syn_cls, syn_cnt, syn_sign, bank, hp, loss_out)
+    _fst_epoch(
+        feats, starts, sizes, B, np.uint64(key), q, W, b, mW, mb, text, syn_cls, syn_cnt, syn_sign, bank, hp,
+        loss_out,
+    )  # fmt: skip

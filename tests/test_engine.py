@@ -94,13 +94,12 @@ def test_fused_kernel_hand_step():
 
     feats = np.eye(2, dtype=np.float32)
     labels = np.array([0, 1])
-    idx = np.array([[[0, 1]]])
-    cnt = np.array([[2]])
+    starts, sizes = np.array([0]), np.array([2])  # one client of two samples, one batch of 2
     W = np.zeros((1, 2, 2), np.float32)
     b = np.zeros((1, 2), np.float32)
     loss = np.zeros((1, 1))
     kernels.linear_epoch(
-        feats, labels, idx, cnt, W, b, np.zeros_like(W), np.zeros_like(b), W[0].copy(), b[0].copy(),
+        feats, labels, starts, sizes, 2, 12345, W, b, np.zeros_like(W), np.zeros_like(b), W[0].copy(), b[0].copy(),
         lr=0.1, momentum=0.0, weight_decay=0.0, logit_scale=1.0, loss_out=loss, threads=1,
     )  # fmt: skip
     np.testing.assert_allclose(W[0], [[0.025, -0.025], [-0.025, 0.025]], atol=1e-7)
@@ -273,6 +272,11 @@ def test_stream_keys_are_the_tensor_hash():
     from fedfeat import rng
 
     assert rng.stream_key(0, 1, 2, 3) == 1901318328662684678
+    from fedfeat import kernels  # the fused kernels hash sample positions themselves: the same keys
+
+    pos = torch.tensor([0, 1, 7, 49_999, 2**40 + 3])
+    key = rng.stream_key(5, 6, 0, rng.TAG_SHUFFLE)
+    assert [kernels._uniform_key(np.uint64(key), int(p)) for p in pos] == rng.uniform_keys(key, pos).tolist()
     assert rng.stream_key(19940817, 7, 0, 5) == 8571754631293477877
     vals = torch.tensor([0, 1, -1, 2**62, -(2**63), 123456789012345, -987654321], dtype=torch.int64)
     for v, t in zip(vals.tolist(), rng._mix(vals).tolist()):

@@ -180,9 +180,9 @@ class Method:
 
         return owner("fused_loss") is owner("step_loss") and self.fused_loss() is not None
 
-    def fused_epoch(self, ctx, plan, glob, local, params, opt, idx, cnt):
-        """One local epoch of all the plan's clients in a fused kernel (``idx [S, m, B]`` rows, ``cnt [S, m]``
-        samples per step: ``kernels.shuffle_tables``); returns the ``[S, m]`` step losses."""
+    def fused_epoch(self, ctx, plan, glob, local, params, opt, epoch):
+        """Local epoch ``epoch`` of all the plan's clients in a fused kernel (which shuffles and batches as
+        ``engine.epoch_tables``: ``engine.fused_batches``); returns the ``[S, m]`` step losses."""
         raise NotImplementedError
 
     # ---- evaluation

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from fedfeat import rng
-from fedfeat.engine import Context, RoundPlan, masked_mean, plan_rows
+from fedfeat.engine import Context, RoundPlan, fused_batches, masked_mean, plan_rows
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import register
 from fedfeat.methods.linear import LinearHead, LinearHeadParams
@@ -227,7 +227,7 @@ class FSTCBDG(LinearHead):
     def fused_loss(self):
         return "fst-cbdg"  # kernels.fst_epoch
 
-    def fused_epoch(self, ctx, plan, glob, local, params, opt, idx, cnt):
+    def fused_epoch(self, ctx, plan, glob, local, params, opt, epoch):
         """The epoch in ``fedfeat.kernels.fst_epoch``: the same soft-label updates, self-training loss and
         synthetic samples (the noise bank rows of every step drawn up front, as ``_noise`` draws them)."""
         from fedfeat import kernels
@@ -247,10 +247,11 @@ class FSTCBDG(LinearHead):
             bank = torch.stack(
                 [self._noise(ctx, local["rnd"], syn["epoch"], s, P) for s in range(syn_cls.shape[0])]
             ).numpy()
-        losses = np.zeros(cnt.shape, dtype=np.float64)
+        losses = np.zeros((int(plan.steps.max()), m), dtype=np.float64)
         kernels.fst_epoch(
-            ctx.feats.numpy(), idx, cnt, ctx.state["q"].numpy(), W.numpy(), params["b"].numpy(),
-            bufs["W"].numpy(), bufs["b"].numpy(), ctx.text.contiguous().numpy(), syn_cls, syn_cnt, syn_sign, bank,
+            ctx.feats.numpy(), **fused_batches(ctx, plan, epoch), q=ctx.state["q"].numpy(), W=W.numpy(),
+            b=params["b"].numpy(), mW=bufs["W"].numpy(), mb=bufs["b"].numpy(), text=ctx.text.contiguous().numpy(),
+            syn_cls=syn_cls, syn_cnt=syn_cnt, syn_sign=syn_sign, bank=bank,
             lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay, logit_scale=p.logit_scale,
             beta=p.beta, lam=p.lam, sigma=p.sigma / math.sqrt(D), self_training=p.self_training,
             renormalize=p.renormalize_synthetic, loss_out=losses, threads=torch.get_num_threads(),

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedfeat.engine import Batch, Context, RoundPlan, masked_mean
+from fedfeat.engine import Batch, Context, RoundPlan, fused_batches, masked_mean
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import Method, register
 
@@ -86,17 +86,17 @@ class LinearHead(Method):
     def predict(self, ctx: Context, glob: dict, x: torch.Tensor) -> torch.Tensor:
         return self.p.logit_scale * (x @ glob["W"].T + glob["b"])
 
-    def fused_epoch(self, ctx, plan, glob, local, params, opt, idx, cnt):
+    def fused_epoch(self, ctx, plan, glob, local, params, opt, epoch):
         """The epoch in ``fedfeat.kernels.linear_epoch`` (SGD state: momentum buffers, zero at round start)."""
         from fedfeat import kernels
 
         mode, mu, tau, beta = self.fused_loss()
         bufs = opt.state.setdefault("fused", {k: torch.zeros_like(v) for k, v in params.items()})
-        losses = np.zeros(cnt.shape, dtype=np.float64)
+        losses = np.zeros((int(plan.steps.max()), plan.m), dtype=np.float64)
         kernels.linear_epoch(
-            ctx.feats.numpy(), ctx.labels.numpy(), idx, cnt,
-            params["W"].numpy(), params["b"].numpy(), bufs["W"].numpy(), bufs["b"].numpy(),
-            glob["W"].contiguous().numpy(), glob["b"].contiguous().numpy(),
+            ctx.feats.numpy(), ctx.labels.numpy(), **fused_batches(ctx, plan, epoch),
+            W=params["W"].numpy(), b=params["b"].numpy(), mW=bufs["W"].numpy(), mb=bufs["b"].numpy(),
+            Wg=glob["W"].contiguous().numpy(), bg=glob["b"].contiguous().numpy(),
             lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay, logit_scale=self.p.logit_scale,
             mode=mode, mu=mu, tau=tau, beta=beta, loss_out=losses, threads=torch.get_num_threads(),
         )  # fmt: skip
