@@ -217,8 +217,9 @@ def run_local(
     )  # summed on the device: no sync per step
     loss_n = 0
     for epoch in range(plan.epochs):
-        if kernel == "fused":  # the whole epoch in the method's compiled kernel (it shuffles as epoch_tables)
-            method.epoch_begin(ctx, plan, local, epoch)
+        if (
+            kernel == "fused"
+        ):  # the whole epoch (epoch_begin's draws included) in the method's compiled kernel
             loss_sum += float(method.fused_epoch(ctx, plan, glob, local, params, opt, epoch).sum())
             loss_n += int(plan.steps.sum())
             continue

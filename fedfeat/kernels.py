@@ -334,21 +334,54 @@ def _synthetic(X, text, bank, cls, sign, s, p0, n, sig, renorm):
                 X[t, d] *= inv
 
 
+@nb.njit
+def _synthetic_classes(n_k, cid, key):
+    """The client's synthetic samples of this epoch in order: classes ``0..K-1`` repeated ``n_k`` times, sorted
+    (stably) by the counter-based key of (client id, item) -- ``FSTCBDG.epoch_begin``'s order."""
+    J = n_k.sum()
+    cls = np.empty(J, np.int64)
+    keys = np.empty(J, np.int64)
+    r = 0
+    for k in range(n_k.shape[0]):
+        for _ in range(n_k[k]):
+            cls[r] = k
+            keys[r] = _uniform_key(key, cid * (1 << 30) + r)
+            r += 1
+    return cls[np.argsort(keys, kind="mergesort")]
+
+
+@nb.njit
+def _synthetic_step(cls_all, S, s, cid, key, cls, sign):
+    """Step ``s`` of ``S`` gets the ranks ``ceil(s J / S) .. ceil((s+1) J / S) - 1`` of the epoch's ``J``
+    synthetic samples (spread evenly); writes their classes and random signs (keyed by client id, step, slot)
+    and returns how many there are."""
+    J = cls_all.shape[0]
+    r0 = (s * J + S - 1) // S
+    n = (((s + 1) * J + S - 1) // S) - r0
+    for t in range(n):
+        cls[t] = cls_all[r0 + t]
+        sign[t] = 1.0 if _uniform_key(key, (cid * (1 << 16) + s) * (1 << 20) + t) & 1 else -1.0
+    return n
+
+
 @nb.njit(parallel=True, fastmath=True, cache=True)
 def _fst_epoch(
-    feats, starts, sizes, B, key, q, W, b, mW, mb, text, syn_cls, syn_cnt, syn_sign, bank, hp, loss_out
+    feats, starts, sizes, B, key, q, W, b, mW, mb, text, n_k, cids, key_order, key_sign, bank, hp, loss_out
 ):
     m = sizes.shape[0]
     K = W.shape[1]
     lr, mom, wd, scale, beta, lam, sig, zero = hp[0], hp[1], hp[2], hp[3], hp[4], hp[5], hp[6], hp[9]
     st = hp[7] != 0
     renorm = hp[8] != 0
-    Ssyn = syn_cls.shape[0]
     for j in nb.prange(m):
         Wj, bj, gW, gb, Z, _, G, X = _client(W, b, j)
         n_j = sizes[j]
         prow = _client_rows(key, starts[j], n_j)
-        for s in range((n_j + B - 1) // B):
+        S_j = (n_j + B - 1) // B
+        syn_all = _synthetic_classes(n_k[j], cids[j], key_order)
+        cls = np.empty(bank.shape[1], np.int64)
+        sign = np.empty(bank.shape[1], W.dtype)
+        for s in range(S_j):
             c = _begin_step(gW, gb, n_j, s, B)
             coef = scale / c
             lsum = 0.0
@@ -373,12 +406,10 @@ def _fst_epoch(
                         for k in range(K):
                             gb[k] += G[t, k]
             loss = lsum / c
-            cs = syn_cnt[s, j] if s < Ssyn else 0
+            cs = _synthetic_step(syn_all, S_j, s, cids[j], key_sign, cls, sign)
             if cs > 0:  # this step's synthetic samples: lam * mean CE with their class labels
                 scoef = lam * scale / cs
                 ssum = 0.0
-                cls = syn_cls[s, j]
-                sign = syn_sign[s, j]
                 for p0 in range(0, cs, 4):
                     n = min(4, cs - p0)
                     _synthetic(X, text, bank, cls, sign, s, p0, n, sig, renorm)
@@ -428,19 +459,20 @@ def linear_epoch(
 
 
 def fst_epoch(
-    feats, starts, sizes, B, key, q, W, b, mW, mb, text, syn_cls, syn_cnt, syn_sign, bank, *, lr, momentum,
+    feats, starts, sizes, B, key, q, W, b, mW, mb, text, n_k, cids, key_order, key_sign, bank, *, lr, momentum,
     weight_decay, logit_scale, beta, lam, sigma, self_training, renormalize, loss_out, threads: int,
 ) -> None:  # fmt: skip
     """One local epoch of FST-CBDG for clients ``0..m-1``, in place (``fedfeat.methods.fst_cbdg``).
 
-    As ``linear_epoch`` for ``feats, starts, sizes, B, key, W, b, mW, mb, loss_out``; ``q [N, K]`` the soft pseudo-labels
-    (updated in place for each step's samples before the step's gradient); ``text [K, D]`` the class
-    prototypes; synthetic samples of step ``s`` and client ``j``: ``syn_cnt [S', m]`` of them, classes
-    ``syn_cls [S', m, P]``, signs ``syn_sign [S', m, P]``, noise rows ``bank [S', P, D]`` (row p for slot p);
-    ``sigma`` in feature units (already divided by sqrt(D)).
+    As ``linear_epoch`` for ``feats, starts, sizes, B, key, W, b, mW, mb, loss_out``; ``q [N, K]`` the soft
+    pseudo-labels (updated in place for each step's samples before the step's gradient); ``text [K, D]`` the
+    class prototypes; synthetic samples: ``n_k [m, K]`` per class and client for the epoch, ordered with
+    ``key_order`` and spread over the client's steps, random signs from ``key_sign`` (``cids [m]`` client ids:
+    the draws are keyed by client, not by slot), noise rows ``bank [S, P, D]`` (row p for a step's p-th
+    sample; P >= the most samples of any step); ``sigma`` in feature units (already divided by sqrt(D)).
     """
     dt = W.dtype
-    for a in (feats, q, b, mW, mb, text, syn_sign, bank):
+    for a in (feats, q, b, mW, mb, text, bank):
         if a.dtype != dt or not a.flags.c_contiguous:
             raise TypeError(f"fst_epoch: arrays must be C-contiguous {dt}")
     hp = np.array(
@@ -460,6 +492,6 @@ def fst_epoch(
     )
     nb.set_num_threads(max(1, min(threads, nb.config.NUMBA_NUM_THREADS)))
     _fst_epoch(
-        feats, starts, sizes, B, np.uint64(key), q, W, b, mW, mb, text, syn_cls, syn_cnt, syn_sign, bank, hp,
-        loss_out,
+        feats, starts, sizes, B, np.uint64(key), q, W, b, mW, mb, text, n_k, cids, np.uint64(key_order),
+        np.uint64(key_sign), bank, hp, loss_out,
     )  # fmt: skip

@@ -229,29 +229,29 @@ class FSTCBDG(LinearHead):
 
     def fused_epoch(self, ctx, plan, glob, local, params, opt, epoch):
         """The epoch in ``fedfeat.kernels.fst_epoch``: the same soft-label updates, self-training loss and
-        synthetic samples (the noise bank rows of every step drawn up front, as ``_noise`` draws them)."""
+        synthetic samples (classes, order and signs drawn in the kernel from ``epoch_begin``'s keys; the noise
+        bank rows of every step drawn here, as ``_noise`` draws them). Replaces ``epoch_begin`` + the steps."""
         from fedfeat import kernels
 
         p = self.p
         W = params["W"]
         m, D, dt = plan.m, ctx.D, W.numpy().dtype
         bufs = opt.state.setdefault("fused", {k: torch.zeros_like(v) for k, v in params.items()})
-        syn = local["syn"]
-        if syn is None:
-            syn_cls, syn_cnt = np.zeros((0, m, 1), np.int64), np.zeros((0, m), np.int64)
-            syn_sign, bank = np.zeros((0, m, 1), dt), np.zeros((0, 1, D), dt)
+        n_k = local["n_k"]
+        S = plan.steps
+        J = n_k.sum(1)
+        P = int(((J + S - 1) // S).max()) if m else 0  # most synthetic samples of any client's step
+        if P:
+            bank = torch.stack([self._noise(ctx, plan.rnd, epoch, s, P) for s in range(int(S.max()))]).numpy()
         else:
-            syn_cls, syn_cnt = syn["cls"].numpy(), syn["mask"].sum(-1).numpy()
-            syn_sign = syn["sign"].to(W.dtype).numpy()
-            P = syn_cls.shape[2]
-            bank = torch.stack(
-                [self._noise(ctx, local["rnd"], syn["epoch"], s, P) for s in range(syn_cls.shape[0])]
-            ).numpy()
-        losses = np.zeros((int(plan.steps.max()), m), dtype=np.float64)
+            bank = np.zeros((1, 1, D), dt)
+        losses = np.zeros((int(S.max()), m), dtype=np.float64)
         kernels.fst_epoch(
             ctx.feats.numpy(), **fused_batches(ctx, plan, epoch), q=ctx.state["q"].numpy(), W=W.numpy(),
             b=params["b"].numpy(), mW=bufs["W"].numpy(), mb=bufs["b"].numpy(), text=ctx.text.contiguous().numpy(),
-            syn_cls=syn_cls, syn_cnt=syn_cnt, syn_sign=syn_sign, bank=bank,
+            n_k=n_k.numpy(), cids=plan.clients.numpy(),
+            key_order=rng.stream_key(ctx.seed, plan.rnd, epoch, rng.TAG_SYNTH_ORDER),
+            key_sign=rng.stream_key(ctx.seed, plan.rnd, epoch, rng.TAG_SYNTH_OFFSET), bank=bank,
             lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay, logit_scale=p.logit_scale,
             beta=p.beta, lam=p.lam, sigma=p.sigma / math.sqrt(D), self_training=p.self_training,
             renormalize=p.renormalize_synthetic, loss_out=losses, threads=torch.get_num_threads(),
