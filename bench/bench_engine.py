@@ -109,14 +109,15 @@ def one(
     _, part = store_partition(st, scheme="iid", clients=clients, save=False)
     data = load_run_data(st, part, device=device)
     m = get_method(method)
-    totals = {"samples": 0, "synthetic": 0}
+    per_round: dict[int, list[int]] = {}  # round -> [samples, synthetic samples] of its local updates
     orig = m.local_begin
 
     def counting_local_begin(ctx, plan, glob):
         local = orig(ctx, plan, glob)
-        totals["samples"] += int(plan.sizes.sum()) * plan.epochs
+        c = per_round.setdefault(plan.rnd, [0, 0])
+        c[0] += int(plan.sizes.sum()) * plan.epochs
         if "n_k" in local:
-            totals["synthetic"] += int(local["n_k"].sum()) * plan.epochs
+            c[1] += int(local["n_k"].sum()) * plan.epochs
         return local
 
     m.local_begin = counting_local_begin
@@ -128,8 +129,10 @@ def one(
     # aggregation, server step): the test evaluation after it is the same code for both engines
     secs = [r["train_seconds"] for r in metrics[2:]]
     K, D = len(data.class_names), data.train_x.shape[1]
-    per_round_samples = totals["samples"] / (rounds + 1)
-    per_round_syn = totals["synthetic"] / (rounds + 1)
+    # the floor of the timed rounds (FST-CBDG's synthetic samples per round change as its pseudo-labels do)
+    timed = [per_round[r] for r in range(2, rounds + 2)]
+    per_round_samples = sum(c[0] for c in timed) / len(timed)
+    per_round_syn = sum(c[1] for c in timed) / len(timed)
     m_clients = max(1, int(participation * clients))
     from fedfeat.engine import resolve_kernel
 
