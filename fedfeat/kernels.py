@@ -323,12 +323,12 @@ def _synthetic(X, text, bank, cls, sign, s, p0, n, sig, renorm):
         c = cls[p0 + t]
         a = sig * sign[p0 + t]
         e = bank[s, p0 + t]
-        sq = 0.0
         for d in range(D):
-            v = text[c, d] + a * e[d]
-            X[t, d] = v
-            sq += v * v
+            X[t, d] = text[c, d] + a * e[d]
         if renorm:
+            sq = 0.0
+            for d in range(D):
+                sq += X[t, d] * X[t, d]
             inv = 1.0 / np.sqrt(max(sq, 1e-24))
             for d in range(D):
                 X[t, d] *= inv
