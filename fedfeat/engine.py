@@ -16,6 +16,9 @@ Data layout. The split's features are put on the device once, in **client-major 
 5. aggregates (FedAvg weighted by client sample counts unless the method says otherwise), applies the
    method's server step, evaluates on the test split.
 
+On CPU, methods with a fused kernel (``fedfeat.kernels``) run steps 3-4 of a whole epoch in one compiled call
+instead (``kernel="fused"``, the default there): the same shuffles, batches and updates, each sample read once.
+
 ``engine="loop"`` runs the same method one client after another (client axis of size 1, the client's own
 steps only), as the papers' code does: it is the oracle the batched engine is tested against.
 

@@ -4,18 +4,21 @@ On a CPU the batched torch program of a round (gather the step's mini-batches in
 loss, ``bmm`` weight gradient, optimizer) moves each sample three times per step and runs its thin GEMMs
 (K = 10 outputs per client) at a fraction of the machine's matmul rate. This kernel reads each sample's features
 **once**, straight from the client-major matrix (no gather buffer): per client (threads over clients) and per
-step, it computes the logits of four samples at a time against the client's head (each weight row loaded once
-for the four), the per-sample loss gradient in registers, accumulates the weight gradient while the rows are
+step, it shuffles and batches the client's samples itself (the keys and stable order of ``engine.epoch_tables``),
+computes the logits of four samples at a time against two rows of the client's head, the per-sample loss gradient, accumulates the weight gradient while the rows are
 still in L1, and applies the SGD step (``torch.optim.SGD`` semantics: weight decay into the gradient, momentum
 buffer ``buf = m buf + d``, zero at the start of a round) before the client's next step.
 
-It is the same mathematics as the torch path (``fedfeat.methods.linear``): the tests run both against the loop
+It is the same mathematics as the torch path (``fedfeat.methods.linear``, ``fedfeat.methods.fst_cbdg``): the
+tests run both against the loop
 engine (``test_engine.py``, ``<= 1e-5``). Compiled by numba on first use (cached on disk next to this file).
 Used by the batched engine on CPU when ``--kernel auto`` (the default) or ``fused``; ``--kernel torch`` keeps the
 tensor program (the path the GPU always takes: there one ``bmm`` over all clients is the right program).
 
-Losses (``mode``): ``CE`` cross-entropy with hard labels (fedavg, fedavgm, centralized; + ``mu`` for fedprox's
-proximal term); ``NTD`` adds FedNTD's not-true distillation from the round's global head.
+Kernels: ``linear_epoch`` -- ``CE`` cross-entropy with hard labels (fedavg, fedavgm, centralized; + ``mu`` for
+fedprox's proximal term) or ``NTD`` (+ FedNTD's not-true distillation from the round's global head);
+``fst_epoch`` -- FST-CBDG: soft-label updates, self-training on them, and the epoch's class-balanced synthetic
+samples ``T_c + sigma * sign * eps`` formed in the kernel (classes, order and signs from ``epoch_begin``'s keys).
 """
 
 from __future__ import annotations
