@@ -94,18 +94,18 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def methods() -> None:
-        """List the registered methods, whether they read labels, what they run on, and their defaults."""
+        """List the registered methods, whether they read labels, what they run on, their kernels, defaults."""
         from rich.console import Console
         from rich.table import Table
 
         from fedfeat.methods import method_table
 
         t = Table(title="methods", show_lines=True)
-        for c in ("name", "labels", "runs on", "what", "defaults (--set key=value)"):
+        for c in ("name", "labels", "runs on", "kernels", "what", "defaults (--set key=value)"):
             t.add_column(c, overflow="fold")
         for r in method_table():
             d = " ".join(f"{k}={v}" for k, v in r["defaults"].items())
-            t.add_row(r["name"], r["labels"], r["runs_on"], r["summary"], d)
+            t.add_row(r["name"], r["labels"], r["runs_on"], r["kernels"], r["summary"], d)
         Console(width=160).print(t)
 
     @app.command()

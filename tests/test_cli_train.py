@@ -109,3 +109,7 @@ def test_methods_lists_labels_and_defaults():
     for name in ("zeroshot", "centralized", "fedavg", "fedprox", "fedavgm", "fedntd", "fst-cbdg"):
         assert name in r.output
     assert "beta=0.9" in r.output and "gamma=0.0" in r.output
+    from fedfeat.methods import method_table
+
+    kernels = {row["name"]: row["kernels"] for row in method_table()}
+    assert kernels["fst-cbdg"] == "fused (CPU), torch" and kernels["creff"] == "torch"

@@ -82,7 +82,7 @@ def get_method(name: str, overrides: dict | None = None) -> Method:
 
 
 def method_table() -> list[dict]:
-    """Name, description, label use, runs-on and defaults of every registered method."""
+    """Name, description, label use, runs-on, kernels (``--kernel``) and defaults of every registered method."""
     rows = []
     for name, cls in REGISTRY.items():
         rows.append(
@@ -91,6 +91,7 @@ def method_table() -> list[dict]:
                 "summary": (cls.__doc__ or "").strip().splitlines()[0],
                 "labels": "yes" if cls.uses_labels else "no",
                 "runs_on": cls.runs_on,
+                "kernels": "fused (CPU), torch" if cls(cls.Params()).has_fused() else "torch",
                 "defaults": dataclasses.asdict(cls.Params()),
             }
         )
