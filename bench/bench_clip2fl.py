@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import machine, peak_matmul_rate  # noqa: E402  (one description of the machine for every bench table)
+from bench_engine import machine, peak_matmul_rate, write_table  # noqa: E402  (one description of the machine for every bench table)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -241,10 +241,7 @@ def write_md(args, rate: float, rows) -> None:
         "round at CIFAR-100 shape) are ~100x the clients' local training on cached features.",
         "",
     ]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_table(Path(args.out), lines)
 
 
 if __name__ == "__main__":

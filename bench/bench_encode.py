@@ -36,7 +36,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a benchmark never downloads
+
+from bench_engine import write_table  # noqa: E402
 
 
 def _cpu_model() -> str:
@@ -261,9 +264,7 @@ def main(argv: list[str] | None = None) -> None:
             "",
         ]
     lines += [f"Reproduce: `{cmd}`", ""]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_table(args.out, lines)
     print(f"wrote {args.out}")
 
 

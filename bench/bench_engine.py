@@ -239,7 +239,11 @@ def write_md(args, ceil: dict, rows: list[dict]) -> None:
         "kernels (measured once per method).",
         "",
     ]
-    out = Path(args.out)
+    write_table(Path(args.out), lines)
+
+
+def write_table(out: Path, lines: list[str]) -> None:
+    """Write a bench's markdown section to ``out`` (bench/results/, assembled into BENCHMARKS.md) and print it."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines))
     print("\n".join(lines))

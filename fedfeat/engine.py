@@ -212,6 +212,14 @@ def run_local(
     opt = method.make_optimizer(plan.rnd)
     opt.reset(params)
     local = method.local_begin(ctx, plan, glob)
+    if kernel == "fused":  # whole epochs (epoch_begin's draws included) in the method's compiled kernel
+        opt.state["fused"] = {k: torch.zeros_like(v) for k, v in params.items()}  # momentum, zero per round
+        loss = sum(
+            float(method.fused_epoch(ctx, plan, glob, local, params, opt, e).sum())
+            for e in range(plan.epochs)
+        )
+        method.local_end(ctx, plan, local, params)
+        return params, {"loss_sum": loss, "loss_steps": int(plan.steps.sum()) * plan.epochs}
     labels = ctx.labels
     D = ctx.feats.shape[1]
     xbuf = torch.empty(m * plan.batch_size, D, dtype=ctx.feats.dtype, device=ctx.device)
@@ -220,12 +228,6 @@ def run_local(
     )  # summed on the device: no sync per step
     loss_n = 0
     for epoch in range(plan.epochs):
-        if (
-            kernel == "fused"
-        ):  # the whole epoch (epoch_begin's draws included) in the method's compiled kernel
-            loss_sum += float(method.fused_epoch(ctx, plan, glob, local, params, opt, epoch).sum())
-            loss_n += int(plan.steps.sum())
-            continue
         idx, mask = epoch_tables(ctx, plan, epoch)
         # batch width per step: B, or less when every active client is on a smaller (last) batch -- clients
         # with fewer samples than B cost their samples, not B padded rows
@@ -331,7 +333,7 @@ def resolve_kernel(kernel: str, method, engine: str, device: torch.device) -> st
         return kernel
     why = None
     if engine != "batched":
-        why = "the loop engine is the per-client torch reference; use --engine batched"
+        why = "the loop engine is the per-client torch reference (fused kernels run with --engine batched)"
     elif device.type != "cpu":
         why = f"fused kernels are CPU kernels (device {device}); on a GPU the torch program is the fast one"
     elif not method.has_fused():

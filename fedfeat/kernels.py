@@ -30,6 +30,8 @@ import numpy as np
 os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")  # numba's own pool: no second OpenMP runtime
 import numba as nb  # noqa: E402
 
+from fedfeat import rng  # noqa: E402
+
 nb.config.THREADING_LAYER = "workqueue"  # (also when numba was imported before us)
 
 CE = 0
@@ -178,9 +180,9 @@ def _grads(Z, Zg, G, gb, labels, rows, q, mode, scale, inv, tau, beta):
     return lsum
 
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
+_GOLDEN = np.uint64(rng.GOLDEN)
+_MIX1 = np.uint64(rng.MIX1)
+_MIX2 = np.uint64(rng.MIX2)
 _MASK62 = np.uint64((1 << 62) - 1)
 
 
@@ -436,6 +438,16 @@ def _fst_epoch(
             loss_out[s, j] = loss
 
 
+def _prepare(name: str, W, arrays, hyper: list, threads: int) -> np.ndarray:
+    """Check that the float arrays are C-contiguous in ``W``'s dtype, set the thread count, and return the
+    hyperparameters as an array of that dtype (scalars in the kernels' arithmetic keep the arrays' precision)."""
+    for a in (W, *arrays):
+        if a.dtype != W.dtype or not a.flags.c_contiguous:
+            raise TypeError(f"{name}: arrays must be C-contiguous {W.dtype}")
+    nb.set_num_threads(max(1, min(threads, nb.config.NUMBA_NUM_THREADS)))
+    return np.array(hyper, dtype=W.dtype)
+
+
 def linear_epoch(
     feats, labels, starts, sizes, B, key, W, b, mW, mb, Wg, bg, *, lr, momentum, weight_decay, logit_scale,
     mode=CE, mu=0.0, tau=1.0, beta=0.0, loss_out, threads: int,
@@ -452,12 +464,10 @@ def linear_epoch(
     mean over its samples, + the proximal term) goes to ``loss_out [S, m]`` (float64). Runs on ``threads``
     threads over clients.
     """
-    dt = W.dtype
-    for a in (feats, b, mW, mb, Wg, bg):
-        if a.dtype != dt or not a.flags.c_contiguous:
-            raise TypeError(f"linear_epoch: arrays must be C-contiguous {dt}")
-    hp = np.array([lr, momentum, weight_decay, logit_scale, mu, tau, beta, 0.0], dtype=dt)
-    nb.set_num_threads(max(1, min(threads, nb.config.NUMBA_NUM_THREADS)))
+    hp = _prepare(
+        "linear_epoch", W, (feats, b, mW, mb, Wg, bg),
+        [lr, momentum, weight_decay, logit_scale, mu, tau, beta, 0.0], threads,
+    )  # fmt: skip
     _linear_epoch(feats, labels, starts, sizes, B, np.uint64(key), W, b, mW, mb, Wg, bg, hp, mode, loss_out)
 
 
@@ -474,26 +484,11 @@ def fst_epoch(
     the draws are keyed by client, not by slot), noise rows ``bank [S, P, D]`` (row p for a step's p-th
     sample; P >= the most samples of any step); ``sigma`` in feature units (already divided by sqrt(D)).
     """
-    dt = W.dtype
-    for a in (feats, q, b, mW, mb, text, bank):
-        if a.dtype != dt or not a.flags.c_contiguous:
-            raise TypeError(f"fst_epoch: arrays must be C-contiguous {dt}")
-    hp = np.array(
-        [
-            lr,
-            momentum,
-            weight_decay,
-            logit_scale,
-            beta,
-            lam,
-            sigma,
-            float(self_training),
-            float(renormalize),
-            0.0,
-        ],
-        dtype=dt,
-    )
-    nb.set_num_threads(max(1, min(threads, nb.config.NUMBA_NUM_THREADS)))
+    hp = _prepare(
+        "fst_epoch", W, (feats, q, b, mW, mb, text, bank),
+        [lr, momentum, weight_decay, logit_scale, beta, lam, sigma, float(self_training), float(renormalize), 0.0],
+        threads,
+    )  # fmt: skip
     _fst_epoch(
         feats, starts, sizes, B, np.uint64(key), q, W, b, mW, mb, text, n_k, cids, np.uint64(key_order),
         np.uint64(key_sign), bank, hp, loss_out,

@@ -11,14 +11,24 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
+# splitmix64's constants (unsigned); the tensor hash uses their int64 bit patterns. Three implementations share
+# them: ``_mix`` (int64 tensors), ``_mix_u64`` (python ints), ``fedfeat.kernels._uniform_key`` (numba, uint64).
+GOLDEN, MIX1, MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def _int64(u: int) -> int:
+    """The int64 value of a 64-bit pattern ``u`` in [0, 2^64)."""
+    return u - (1 << 64) if u >> 63 else u
+
+
+_GOLDEN, _MIX1, _MIX2 = _int64(GOLDEN), _int64(MIX1), _int64(MIX2)
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
     x = x ^ ((x >> 30) & ((1 << 34) - 1))
-    x = x * -4658895280553007687  # 0xBF58476D1CE4E5B9
+    x = x * _MIX1
     x = x ^ ((x >> 27) & ((1 << 37) - 1))
-    x = x * -7723592293110705685  # 0x94D049BB133111EB
+    x = x * _MIX2
     return x ^ ((x >> 31) & ((1 << 33) - 1))
 
 
@@ -28,9 +38,9 @@ _M64 = (1 << 64) - 1
 def _mix_u64(u: int) -> int:
     """``_mix`` on one python int in [0, 2^64) (the int64 bit pattern): no tensor per call."""
     u ^= u >> 30
-    u = (u * 0xBF58476D1CE4E5B9) & _M64
+    u = (u * MIX1) & _M64
     u ^= u >> 27
-    u = (u * 0x94D049BB133111EB) & _M64
+    u = (u * MIX2) & _M64
     return u ^ (u >> 31)
 
 
@@ -39,7 +49,7 @@ def _mix_int(*parts: int) -> int:
     u = 0x1234567
     for p in parts:
         u = _mix_u64((u + _GOLDEN + (int(p) & ((1 << 62) - 1))) & _M64)
-    return u - (1 << 64) if u >> 63 else u
+    return _int64(u)
 
 
 def stream_key(*parts: int) -> int:

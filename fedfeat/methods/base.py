@@ -184,7 +184,8 @@ class Method:
     def fused_epoch(self, ctx, plan, glob, local, params, opt, epoch):
         """Local epoch ``epoch`` of all the plan's clients in a fused kernel (which shuffles and batches as
         ``engine.epoch_tables``: ``engine.fused_batches``); replaces ``epoch_begin`` and the epoch's steps (the
-        kernel makes ``epoch_begin``'s draws itself). Returns the ``[S, m]`` step losses."""
+        kernel makes ``epoch_begin``'s draws itself); SGD momentum buffers are ``opt.state["fused"]`` (zero at the start
+        of the round). Returns the ``[S, m]`` step losses."""
         raise NotImplementedError
 
     # ---- evaluation

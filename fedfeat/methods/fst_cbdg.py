@@ -236,7 +236,7 @@ class FSTCBDG(LinearHead):
         p = self.p
         W = params["W"]
         m, D, dt = plan.m, ctx.D, W.numpy().dtype
-        bufs = opt.state.setdefault("fused", {k: torch.zeros_like(v) for k, v in params.items()})
+        bufs = opt.state["fused"]  # momentum buffers (run_local)
         n_k = local["n_k"]
         S = plan.steps
         J = n_k.sum(1)

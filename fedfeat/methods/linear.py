@@ -91,7 +91,7 @@ class LinearHead(Method):
         from fedfeat import kernels
 
         mode, mu, tau, beta = self.fused_loss()
-        bufs = opt.state.setdefault("fused", {k: torch.zeros_like(v) for k, v in params.items()})
+        bufs = opt.state["fused"]  # momentum buffers (run_local)
         losses = np.zeros((int(plan.steps.max()), plan.m), dtype=np.float64)
         kernels.linear_epoch(
             ctx.feats.numpy(), ctx.labels.numpy(), **fused_batches(ctx, plan, epoch),
