@@ -34,6 +34,10 @@ from fedfeat import rng  # noqa: E402
 
 nb.config.THREADING_LAYER = "workqueue"  # (also when numba was imported before us)
 
+from llvmlite import ir  # noqa: E402
+from numba.core import types  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
+
 CE = 0
 NTD = 1
 
@@ -117,22 +121,92 @@ def _acc1(gW, G, x0, t):
             gW[k, d] += g0 * x0[d]
 
 
+@intrinsic
+def _f64_from_bits(typingctx, bits):
+    """The float64 whose IEEE bits are the int64 ``bits`` (an LLVM bitcast: vectorisable, no memory)."""
+    if isinstance(bits, types.Integer) and bits.bitwidth == 64:
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.DoubleType())
+
+        return types.float64(bits), codegen
+    return None
+
+
+@intrinsic
+def _next(typingctx, counter):
+    """``counter[0] += 1`` atomically (an int64 array); returns the value before: a work queue that two
+    threads can draw from, so a thread that finishes its client early (or was slowed by the host) takes the
+    next one instead of waiting at the end of a fixed half of the clients."""
+    if isinstance(counter, types.Array) and counter.dtype == types.int64:
+
+        def codegen(context, builder, signature, args):
+            ary = context.make_array(signature.args[0])(context, builder, args[0])
+            return builder.atomic_rmw("add", ary.data, ir.Constant(ir.IntType(64), 1), "monotonic")
+
+        return types.int64(counter), codegen
+    return None
+
+
+_LOG2E = 1.4426950408889634
+_LN2_HI = 6.93147180369123816490e-01  # ln 2 split in two (fdlibm): n * _LN2_HI is exact for |n| < 2^11
+_LN2_LO = 1.90821492927058770002e-10
+_C0, _C1, _C2, _C3, _C4, _C5, _C6, _C7, _C8, _C9, _C10, _C11, _C12, _C13 = (
+    1.0 / float(np.prod(np.arange(1, k + 1))) for k in range(14)
+)  # 1/k!
+
+
+@nb.njit(fastmath=True, inline="always")
+def _exp(x):
+    """``exp(x)`` in float64 for ``x`` of any float type, within ~2 ulp of float64 (so float32 callers get
+    the correctly rounded float32 in practice), inlined and vectorisable: no libm call (numba's ``np.exp``
+    calls libm once per element, ~10 ns; a round of FST-CBDG takes ~10^6 of them). Cody-Waite reduction
+    ``x = n ln2 + r``, ``|r| <= ln2 / 2``, degree-13 Taylor polynomial of ``e^r`` (remainder < 1e-18; Estrin's
+    scheme: 4 dependent multiply-adds instead of Horner's 13), times ``2^n`` built from its exponent bits.
+    ``x`` is clamped to [-708, 708] (``e^-708`` ~ 3e-308: the softmax terms this is used for are far below any
+    float32 or float64 sum there)."""
+    x = min(max(np.float64(x), -708.0), 708.0)
+    n = np.floor(x * _LOG2E + 0.5)
+    r = (x - n * _LN2_HI) - n * _LN2_LO
+    r2 = r * r
+    r4 = r2 * r2
+    q0 = (_C0 + _C1 * r) + (_C2 + _C3 * r) * r2
+    q1 = (_C4 + _C5 * r) + (_C6 + _C7 * r) * r2
+    q2 = (_C8 + _C9 * r) + (_C10 + _C11 * r) * r2
+    q3 = _C12 + _C13 * r
+    p = (q0 + q1 * r4) + (q2 + q3 * r4) * (r4 * r4)
+    return p * _f64_from_bits((np.int64(n) + 1023) << 52)
+
+
 @nb.njit(fastmath=True)
-def _ce_grad(z, y, g):
-    """``g = softmax(z) - onehot(y)``; returns the cross-entropy ``-log softmax(z)[y]``."""
-    K = z.shape[0]
-    mx = z[0]
-    for k in range(1, K):
-        mx = max(mx, z[k])
-    se = 0.0
-    for k in range(K):
-        e = np.exp(z[k] - mx)
-        g[k] = e
-        se += e
-    for k in range(K):
-        g[k] = g[k] / se
-    g[y] -= 1
-    return np.log(se) + mx - z[y]
+def _softmax(Z, G, n, lse):
+    """``G[t] = softmax(Z[t])`` and ``lse[t] = log sum_k exp Z[t, k]`` for the ``n <= 4`` rows of a block: the
+    row maxima first, then all ``n K`` exponentials in one pass (independent, so they overlap), then the sums."""
+    K = Z.shape[1]
+    for t in range(n):
+        mx = Z[t, 0]
+        for k in range(1, K):
+            mx = max(mx, Z[t, k])
+        lse[t] = mx
+    for t in range(n):
+        for k in range(K):
+            G[t, k] = _exp(Z[t, k] - lse[t])
+    for t in range(n):
+        se = 0.0
+        for k in range(K):
+            se += G[t, k]
+        inv = 1.0 / se
+        for k in range(K):
+            G[t, k] *= inv
+        lse[t] += np.log(se)
+
+
+@nb.njit(fastmath=True)
+def _ce(Z, G, t, y, lse):
+    """Row ``t`` of a block after ``_softmax``: ``G[t] -= onehot(y)`` (the cross-entropy's logit gradient);
+    returns the cross-entropy ``lse - z_y``."""
+    G[t, y] -= 1
+    return lse[t] - Z[t, y]
 
 
 @nb.njit(fastmath=True)
@@ -164,14 +238,15 @@ def _ntd_grad(z, zg, y, tau, beta, g):
 
 
 @nb.njit(fastmath=True)
-def _grads(Z, Zg, G, gb, labels, rows, q, mode, scale, inv, tau, beta):
+def _grads(Z, Zg, G, gb, lse, labels, rows, q, mode, scale, inv, tau, beta):
     """Per-sample logit gradients ``G[:q]`` (already times ``scale / count``), bias gradient; returns the
     summed loss of the ``q`` samples."""
     K = Z.shape[1]
     lsum = 0.0
+    _softmax(Z, G, q, lse)
     for t in range(q):
         y = labels[rows[t]]
-        lsum += _ce_grad(Z[t], y, G[t])
+        lsum += _ce(Z, G, t, y, lse)
         if mode == NTD:
             lsum += beta * tau * tau * _ntd_grad(Z[t], Zg[t], y, tau, beta, G[t])
         for k in range(K):
@@ -219,7 +294,8 @@ def _begin_step(gW, gb, n, s, B):
 @nb.njit
 def _client(W, b, j):
     """Client ``j``'s head (views) and a thread's scratch for it: weight / bias gradients, two ``[4, K]`` logit
-    blocks, the logit gradients ``[4, K]`` and four ``[D]`` rows for formed (synthetic) samples."""
+    blocks, the logit gradients ``[4, K]``, four ``[D]`` rows for formed (synthetic) samples and the block's
+    four log-sum-exps (float64)."""
     K, D = W.shape[1], W.shape[2]
     z = np.zeros((4, K), W.dtype)
     scratch = (
@@ -229,6 +305,7 @@ def _client(W, b, j):
         z.copy(),
         z.copy(),
         np.zeros((4, D), W.dtype),
+        np.zeros(4, np.float64),
     )
     return (W[j], b[j]) + scratch
 
@@ -246,73 +323,80 @@ def _sgd(Wj, bj, mWj, mbj, gW, gb, lr, mom, wd):
         bj[k] -= lr * mbj[k]
 
 
-@nb.njit(parallel=True, fastmath=True, cache=True)
-def _linear_epoch(feats, labels, starts, sizes, B, key, W, b, mW, mb, Wg, bg, hp, mode, loss_out):
-    m = sizes.shape[0]
+@nb.njit(fastmath=True)
+def _linear_client(j, feats, labels, starts, sizes, B, key, W, b, mW, mb, Wg, bg, hp, mode, loss_out):
+    """Client ``j``'s local epoch (``linear_epoch``)."""
     K, D = W.shape[1], W.shape[2]
     lr, mom, wd, scale, mu, tau, beta, zero = hp[0], hp[1], hp[2], hp[3], hp[4], hp[5], hp[6], hp[7]
-    for j in nb.prange(m):
-        Wj, bj, gW, gb, Z, Zg, G, _ = _client(W, b, j)
-        n_j = sizes[j]
-        prow = _client_rows(key, starts[j], n_j)
-        for s in range((n_j + B - 1) // B):
-            c = _begin_step(gW, gb, n_j, s, B)
-            inv = 1.0 / c
-            lsum = 0.0
-            for r0 in range(0, c, 4):
-                q = min(4, c - r0)
-                rows = prow[s * B + r0 : s * B + r0 + q]
-                if q == 4:
-                    x0 = feats[rows[0]]
-                    x1 = feats[rows[1]]
-                    x2 = feats[rows[2]]
-                    x3 = feats[rows[3]]
-                    _dots4(Wj, bj, x0, x1, x2, x3, scale, zero, Z)
+    Wj, bj, gW, gb, Z, Zg, G, _, lse = _client(W, b, j)
+    n_j = sizes[j]
+    prow = _client_rows(key, starts[j], n_j)
+    for s in range((n_j + B - 1) // B):
+        c = _begin_step(gW, gb, n_j, s, B)
+        inv = 1.0 / c
+        lsum = 0.0
+        for r0 in range(0, c, 4):
+            q = min(4, c - r0)
+            rows = prow[s * B + r0 : s * B + r0 + q]
+            if q == 4:
+                x0 = feats[rows[0]]
+                x1 = feats[rows[1]]
+                x2 = feats[rows[2]]
+                x3 = feats[rows[3]]
+                _dots4(Wj, bj, x0, x1, x2, x3, scale, zero, Z)
+                if mode == NTD:
+                    _dots4(Wg, bg, x0, x1, x2, x3, scale, zero, Zg)
+                lsum += _grads(Z, Zg, G, gb, lse, labels, rows, q, mode, scale, inv, tau, beta)
+                _acc4(gW, G, x0, x1, x2, x3, zero)
+            else:
+                for t in range(q):
+                    _dots1(Wj, bj, feats[rows[t]], scale, zero, Z, t)
                     if mode == NTD:
-                        _dots4(Wg, bg, x0, x1, x2, x3, scale, zero, Zg)
-                    lsum += _grads(Z, Zg, G, gb, labels, rows, q, mode, scale, inv, tau, beta)
-                    _acc4(gW, G, x0, x1, x2, x3, zero)
-                else:
-                    for t in range(q):
-                        _dots1(Wj, bj, feats[rows[t]], scale, zero, Z, t)
-                        if mode == NTD:
-                            _dots1(Wg, bg, feats[rows[t]], scale, zero, Zg, t)
-                    lsum += _grads(Z, Zg, G, gb, labels, rows, q, mode, scale, inv, tau, beta)
-                    for t in range(q):
-                        _acc1(gW, G, feats[rows[t]], t)
-            prox = 0.0
-            if mu != 0:  # FedProx: + mu (p - p_global) (and its loss mu/2 ||p - p_global||^2 at this step)
-                for k in range(K):
-                    for d in range(D):
-                        diff = Wj[k, d] - Wg[k, d]
-                        prox += diff * diff
-                        gW[k, d] += mu * diff
-                    diff = bj[k] - bg[k]
+                        _dots1(Wg, bg, feats[rows[t]], scale, zero, Zg, t)
+                lsum += _grads(Z, Zg, G, gb, lse, labels, rows, q, mode, scale, inv, tau, beta)
+                for t in range(q):
+                    _acc1(gW, G, feats[rows[t]], t)
+        prox = 0.0
+        if mu != 0:  # FedProx: + mu (p - p_global) (and its loss mu/2 ||p - p_global||^2 at this step)
+            for k in range(K):
+                for d in range(D):
+                    diff = Wj[k, d] - Wg[k, d]
                     prox += diff * diff
-                    gb[k] += mu * diff
-            _sgd(Wj, bj, mW[j], mb[j], gW, gb, lr, mom, wd)
-            loss_out[s, j] = lsum * inv + 0.5 * mu * prox
+                    gW[k, d] += mu * diff
+                diff = bj[k] - bg[k]
+                prox += diff * diff
+                gb[k] += mu * diff
+        _sgd(Wj, bj, mW[j], mb[j], gW, gb, lr, mom, wd)
+        loss_out[s, j] = lsum * inv + 0.5 * mu * prox
+
+
+@nb.njit(parallel=True, fastmath=True, cache=True)
+def _linear_epoch(feats, labels, starts, sizes, B, key, W, b, mW, mb, Wg, bg, hp, mode, loss_out, workers):
+    nxt = np.zeros(1, np.int64)  # the next client to take: threads take clients as they finish
+    for _th in nb.prange(workers):
+        j = _next(nxt)
+        while j < sizes.shape[0]:
+            _linear_client(j, feats, labels, starts, sizes, B, key, W, b, mW, mb, Wg, bg, hp, mode, loss_out)
+            j = _next(nxt)
 
 
 @nb.njit(fastmath=True)
-def _soft_grads(Z, G, q, rows, n, beta, st, coef):
+def _soft_grads(Z, G, lse, q, rows, n, beta, st, coef):
     """FST-CBDG's real samples: ``f = softmax(z)``; the soft label is updated first, ``q <- beta q +
     (1 - beta) f`` (written back); with self-training (``st``) ``G = coef (f sum(q) - q)``, the gradient of
     ``-sum_k q_k log f_k``, else ``G = 0``. Returns the summed self-training loss."""
     K = Z.shape[1]
     lsum = 0.0
+    _softmax(Z, G, n, lse)
     for t in range(n):
         qr = q[rows[t]]
-        lse = _ce_grad(Z[t], 0, G[t])  # G = softmax - onehot(0), lse - z_0
-        G[t, 0] += 1  # G[t] = softmax(z)
-        lse += Z[t, 0]  # log sum exp z
         qs = 0.0
         for k in range(K):
             qr[k] = beta * qr[k] + (1 - beta) * G[t, k]
             qs += qr[k]
         for k in range(K):
             if st:
-                lsum += qr[k] * (lse - Z[t, k])
+                lsum += qr[k] * (lse[t] - Z[t, k])
                 G[t, k] = coef * (G[t, k] * qs - qr[k])
             else:
                 G[t, k] = 0
@@ -369,83 +453,139 @@ def _synthetic_step(cls_all, S, s, cid, key, cls, sign):
     return n
 
 
-@nb.njit(parallel=True, fastmath=True, cache=True)
-def _fst_epoch(
-    feats, starts, sizes, B, key, q, W, b, mW, mb, text, n_k, cids, key_order, key_sign, bank, hp, loss_out
+@nb.njit(fastmath=True)
+def _fst_client(
+    j, feats, starts, sizes, B, key, q, W, b, mW, mb, text, n_k, cids, key_order, key_sign, bank, hp, loss_out
 ):
-    m = sizes.shape[0]
+    """Client ``j``'s local epoch (``fst_epoch``)."""
     K = W.shape[1]
     lr, mom, wd, scale, beta, lam, sig, zero = hp[0], hp[1], hp[2], hp[3], hp[4], hp[5], hp[6], hp[9]
     st = hp[7] != 0
     renorm = hp[8] != 0
-    for j in nb.prange(m):
-        Wj, bj, gW, gb, Z, _, G, X = _client(W, b, j)
-        n_j = sizes[j]
-        prow = _client_rows(key, starts[j], n_j)
-        S_j = (n_j + B - 1) // B
-        syn_all = _synthetic_classes(n_k[j], cids[j], key_order)
-        cls = np.empty(bank.shape[1], np.int64)
-        sign = np.empty(bank.shape[1], W.dtype)
-        for s in range(S_j):
-            c = _begin_step(gW, gb, n_j, s, B)
-            coef = scale / c
-            lsum = 0.0
-            for r0 in range(0, c, 4):  # real samples: soft-label update, self-training gradient
-                n = min(4, c - r0)
-                rows = prow[s * B + r0 : s * B + r0 + n]
-                if n == 4:
-                    x0, x1, x2, x3 = feats[rows[0]], feats[rows[1]], feats[rows[2]], feats[rows[3]]
-                    _dots4(Wj, bj, x0, x1, x2, x3, scale, zero, Z)
-                    lsum += _soft_grads(Z, G, q, rows, n, beta, st, coef)
-                    if st:
-                        _acc4(gW, G, x0, x1, x2, x3, zero)
-                else:
-                    for t in range(n):
-                        _dots1(Wj, bj, feats[rows[t]], scale, zero, Z, t)
-                    lsum += _soft_grads(Z, G, q, rows, n, beta, st, coef)
-                    if st:
-                        for t in range(n):
-                            _acc1(gW, G, feats[rows[t]], t)
+    Wj, bj, gW, gb, Z, _, G, X, lse = _client(W, b, j)
+    n_j = sizes[j]
+    prow = _client_rows(key, starts[j], n_j)
+    S_j = (n_j + B - 1) // B
+    syn_all = _synthetic_classes(n_k[j], cids[j], key_order)
+    cls = np.empty(bank.shape[1], np.int64)
+    sign = np.empty(bank.shape[1], W.dtype)
+    for s in range(S_j):
+        c = _begin_step(gW, gb, n_j, s, B)
+        coef = scale / c
+        lsum = 0.0
+        for r0 in range(0, c, 4):  # real samples: soft-label update, self-training gradient
+            n = min(4, c - r0)
+            rows = prow[s * B + r0 : s * B + r0 + n]
+            if n == 4:
+                x0, x1, x2, x3 = feats[rows[0]], feats[rows[1]], feats[rows[2]], feats[rows[3]]
+                _dots4(Wj, bj, x0, x1, x2, x3, scale, zero, Z)
+                lsum += _soft_grads(Z, G, lse, q, rows, n, beta, st, coef)
+                if st:
+                    _acc4(gW, G, x0, x1, x2, x3, zero)
+            else:
+                for t in range(n):
+                    _dots1(Wj, bj, feats[rows[t]], scale, zero, Z, t)
+                lsum += _soft_grads(Z, G, lse, q, rows, n, beta, st, coef)
                 if st:
                     for t in range(n):
-                        for k in range(K):
-                            gb[k] += G[t, k]
-            loss = lsum / c
-            cs = _synthetic_step(syn_all, S_j, s, cids[j], key_sign, cls, sign)
-            if cs > 0:  # this step's synthetic samples: lam * mean CE with their class labels
-                scoef = lam * scale / cs
-                ssum = 0.0
-                for p0 in range(0, cs, 4):
-                    n = min(4, cs - p0)
-                    _synthetic(X, text, bank, cls, sign, s, p0, n, sig, renorm)
-                    if n == 4:
-                        _dots4(Wj, bj, X[0], X[1], X[2], X[3], scale, zero, Z)
-                    else:
-                        for t in range(n):
-                            _dots1(Wj, bj, X[t], scale, zero, Z, t)
+                        _acc1(gW, G, feats[rows[t]], t)
+            if st:
+                for t in range(n):
+                    for k in range(K):
+                        gb[k] += G[t, k]
+        loss = lsum / c
+        cs = _synthetic_step(syn_all, S_j, s, cids[j], key_sign, cls, sign)
+        if cs > 0:  # this step's synthetic samples: lam * mean CE with their class labels
+            scoef = lam * scale / cs
+            ssum = 0.0
+            for p0 in range(0, cs, 4):
+                n = min(4, cs - p0)
+                _synthetic(X, text, bank, cls, sign, s, p0, n, sig, renorm)
+                if n == 4:
+                    _dots4(Wj, bj, X[0], X[1], X[2], X[3], scale, zero, Z)
+                else:
                     for t in range(n):
-                        ssum += _ce_grad(Z[t], cls[p0 + t], G[t])
-                        for k in range(K):
-                            G[t, k] *= scoef
-                            gb[k] += G[t, k]
-                    if n == 4:
-                        _acc4(gW, G, X[0], X[1], X[2], X[3], zero)
-                    else:
-                        for t in range(n):
-                            _acc1(gW, G, X[t], t)
-                loss += lam * ssum / cs
-            _sgd(Wj, bj, mW[j], mb[j], gW, gb, lr, mom, wd)
-            loss_out[s, j] = loss
+                        _dots1(Wj, bj, X[t], scale, zero, Z, t)
+                _softmax(Z, G, n, lse)
+                for t in range(n):
+                    ssum += _ce(Z, G, t, cls[p0 + t], lse)
+                    for k in range(K):
+                        G[t, k] *= scoef
+                        gb[k] += G[t, k]
+                if n == 4:
+                    _acc4(gW, G, X[0], X[1], X[2], X[3], zero)
+                else:
+                    for t in range(n):
+                        _acc1(gW, G, X[t], t)
+            loss += lam * ssum / cs
+        _sgd(Wj, bj, mW[j], mb[j], gW, gb, lr, mom, wd)
+        loss_out[s, j] = loss
 
 
-def _prepare(name: str, W, arrays, hyper: list, threads: int) -> np.ndarray:
+@nb.njit(parallel=True, fastmath=True, cache=True)
+def _fst_epoch(
+    feats,
+    starts,
+    sizes,
+    B,
+    key,
+    q,
+    W,
+    b,
+    mW,
+    mb,
+    text,
+    n_k,
+    cids,
+    key_order,
+    key_sign,
+    bank,
+    hp,
+    loss_out,
+    workers,
+):
+    nxt = np.zeros(1, np.int64)  # as _linear_epoch
+    for _th in nb.prange(workers):
+        j = _next(nxt)
+        while j < sizes.shape[0]:
+            _fst_client(
+                j, feats, starts, sizes, B, key, q, W, b, mW, mb, text, n_k, cids, key_order, key_sign, bank, hp,
+                loss_out,
+            )  # fmt: skip
+            j = _next(nxt)
+
+
+@nb.njit(parallel=True, cache=True)
+def _argmax_counts(q, starts, sizes, out):
+    for j in nb.prange(sizes.shape[0]):
+        for r in range(starts[j], starts[j] + sizes[j]):
+            best = 0
+            top = q[r, 0]
+            for k in range(1, q.shape[1]):
+                v = q[r, k]
+                best = k if v > top else best  # the first maximum, as torch.argmax
+                top = max(v, top)
+            out[j, best] += 1
+
+
+def argmax_counts(q, starts, sizes) -> np.ndarray:
+    """``out[j, k]`` = how many of rows ``starts[j] .. starts[j] + sizes[j] - 1`` of ``q [N, K]`` have their
+    (first) maximum at ``k`` (int64 ``[m, K]``): a client's hard pseudo-label counts."""
+    out = np.zeros((sizes.shape[0], q.shape[1]), np.int64)
+    _argmax_counts(q, starts, sizes, out)
+    return out
+
+
+def _prepare(name: str, W, arrays, hyper: list, threads: int) -> tuple[np.ndarray, int]:
     """Check that the float arrays are C-contiguous in ``W``'s dtype, set the thread count, and return the
-    hyperparameters as an array of that dtype (scalars in the kernels' arithmetic keep the arrays' precision)."""
+    hyperparameters as an array of that dtype (scalars in the kernels' arithmetic keep the arrays' precision)
+    and the number of worker threads (each draws clients from the kernel's queue until none is left)."""
     for a in (W, *arrays):
         if a.dtype != W.dtype or not a.flags.c_contiguous:
             raise TypeError(f"{name}: arrays must be C-contiguous {W.dtype}")
-    nb.set_num_threads(max(1, min(threads, nb.config.NUMBA_NUM_THREADS)))
-    return np.array(hyper, dtype=W.dtype)
+    workers = max(1, min(threads, nb.config.NUMBA_NUM_THREADS))
+    nb.set_num_threads(workers)
+    return np.array(hyper, dtype=W.dtype), workers
 
 
 def linear_epoch(
@@ -464,11 +604,13 @@ def linear_epoch(
     mean over its samples, + the proximal term) goes to ``loss_out [S, m]`` (float64). Runs on ``threads``
     threads over clients.
     """
-    hp = _prepare(
+    hp, workers = _prepare(
         "linear_epoch", W, (feats, b, mW, mb, Wg, bg),
         [lr, momentum, weight_decay, logit_scale, mu, tau, beta, 0.0], threads,
     )  # fmt: skip
-    _linear_epoch(feats, labels, starts, sizes, B, np.uint64(key), W, b, mW, mb, Wg, bg, hp, mode, loss_out)
+    _linear_epoch(
+        feats, labels, starts, sizes, B, np.uint64(key), W, b, mW, mb, Wg, bg, hp, mode, loss_out, workers
+    )
 
 
 def fst_epoch(
@@ -484,12 +626,12 @@ def fst_epoch(
     the draws are keyed by client, not by slot), noise rows ``bank [S, P, D]`` (row p for a step's p-th
     sample; P >= the most samples of any step); ``sigma`` in feature units (already divided by sqrt(D)).
     """
-    hp = _prepare(
+    hp, workers = _prepare(
         "fst_epoch", W, (feats, q, b, mW, mb, text, bank),
         [lr, momentum, weight_decay, logit_scale, beta, lam, sigma, float(self_training), float(renormalize), 0.0],
         threads,
     )  # fmt: skip
     _fst_epoch(
         feats, starts, sizes, B, np.uint64(key), q, W, b, mW, mb, text, n_k, cids, np.uint64(key_order),
-        np.uint64(key_sign), bank, hp, loss_out,
+        np.uint64(key_sign), bank, hp, loss_out, workers,
     )  # fmt: skip

@@ -282,3 +282,42 @@ def test_stream_keys_are_the_tensor_hash():
     for v, t in zip(vals.tolist(), rng._mix(vals).tolist()):
         u = rng._mix_u64(v & rng._M64)
         assert (u - (1 << 64) if u >> 63 else u) == t
+
+
+@pytest.mark.parametrize("D", [12, 1000, 1024])
+def test_fst_noise_bank_rows_do_not_depend_on_how_many_are_drawn(D):
+    """A step's bank is drawn only as far as needed (``bank_rows``); its rows must equal those of the whole
+    64-row blocks, whatever P, or the batched engine (P = most of any client) and the loop (P of one client)
+    would draw different noise."""
+    from types import SimpleNamespace
+
+    from fedfeat.methods.fst_cbdg import BANK_BLOCK, bank_rows
+
+    m = get_method("fst-cbdg")
+    ctx = SimpleNamespace(seed=3, D=D, device=torch.device("cpu"), text=torch.zeros(1, D))
+    whole = m._noise(ctx, 2, 0, 1, 2 * BANK_BLOCK)
+    for P in (1, 3, 5, 63, 64, 65, 70, 127):
+        assert bank_rows(P, D) >= P and (bank_rows(P, D) * D) % 16 == 0 or bank_rows(P, D) % BANK_BLOCK == 0
+        assert torch.equal(m._noise(ctx, 2, 0, 1, P), whole[:P]), P
+    assert not torch.equal(m._noise(ctx, 2, 0, 2, 5), whole[:5])  # another step, other noise
+
+
+def test_kernel_exp_and_argmax_counts():
+    from fedfeat import kernels
+
+    @kernels.nb.njit
+    def vexp(x, out):
+        for i in range(x.shape[0]):
+            out[i] = kernels._exp(x[i])
+
+    x = np.concatenate([np.linspace(-700, 700, 20001), [-1e-300, 0.0, 1e-300, -0.5 * math.log(2)]])
+    out = np.empty_like(x)
+    vexp(x, out)
+    np.testing.assert_allclose(out, np.exp(x), rtol=1e-15, atol=0)  # within ~4 ulp
+    x32 = np.linspace(-90, 0, 10001, dtype=np.float32)
+    out32 = np.empty_like(x32)
+    vexp(x32, out32)
+    assert np.array_equal(out32, np.exp(x32.astype(np.float64)).astype(np.float32))  # correctly rounded
+    q = np.array([[0.1, 0.5, 0.5], [0.9, 0.0, 0.1], [0.2, 0.2, 0.6], [0.3, 0.3, 0.3], [0, 1, 0]], np.float32)
+    counts = kernels.argmax_counts(q, np.array([0, 3]), np.array([3, 2]))
+    assert counts.tolist() == [[1, 1, 1], [1, 1, 0]]  # ties go to the first maximum, as torch.argmax

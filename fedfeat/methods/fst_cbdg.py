@@ -32,6 +32,7 @@ still updated, since they set ``m_k``), ``sampling=false`` (self-training only),
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
@@ -40,12 +41,38 @@ import torch
 import torch.nn.functional as F
 
 from fedfeat import rng
-from fedfeat.engine import Context, RoundPlan, fused_batches, masked_mean, plan_rows
+from fedfeat.engine import Context, RoundPlan, fused_batches, make_plan, masked_mean, plan_rows
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import register
 from fedfeat.methods.linear import LinearHead, LinearHeadParams
 
 BANK_BLOCK = 64  # rows per independently seeded block of the noise bank
+
+
+def bank_rows(P: int, D: int) -> int:
+    """How many rows to draw for rows ``0..P-1`` of a step's bank: whole 64-row blocks, the last one cut to the
+    fewest rows ``>=`` what is needed whose ``rows * D`` values are a multiple of 16. torch's CPU Gaussian
+    sampler fills 16 values at a time from one uniform stream, so such a cut block's rows equal the first rows
+    of the whole block (``tests/test_fst_cbdg.py`` pins it): the bank's values do not depend on ``P``."""
+    if P <= 0:
+        return 0
+    full, rest = divmod(P, BANK_BLOCK)
+    if rest:
+        while (rest * D) % 16:
+            rest += 1
+    return full * BANK_BLOCK + rest
+
+
+_POOL: ThreadPoolExecutor | None = None  # draws a round's bank steps side by side (torch.randn frees the GIL)
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(
+            max_workers=max(1, torch.get_num_threads()), thread_name_prefix="fedfeat-bank"
+        )
+    return _POOL
 
 
 @dataclass(frozen=True)
@@ -104,11 +131,22 @@ class FSTCBDG(LinearHead):
     # ------------------------------------------------------------------ local update
     def local_begin(self, ctx: Context, plan: RoundPlan, glob: dict) -> dict:
         m, K = plan.m, ctx.K
-        seg, _, rows = plan_rows(ctx, plan)
-        hard = ctx.state["q"][rows.to(ctx.device)].argmax(1).cpu()
-        counts = torch.zeros(m, K, dtype=torch.int64).index_put_(
-            (seg, hard), torch.ones_like(hard), accumulate=True
-        )
+        if (
+            ctx.device.type == "cpu"
+        ):  # one compiled pass over the clients' rows (torch's argmax is ~10x slower)
+            from fedfeat import kernels
+
+            counts = torch.from_numpy(
+                kernels.argmax_counts(
+                    ctx.state["q"].numpy(), ctx.offsets[plan.clients].numpy(), plan.sizes.numpy()
+                )
+            )
+        else:
+            seg, _, rows = plan_rows(ctx, plan)
+            hard = ctx.state["q"][rows.to(ctx.device)].argmax(1).cpu()
+            counts = torch.zeros(m, K, dtype=torch.int64).index_put_(
+                (seg, hard), torch.ones_like(hard), accumulate=True
+            )
         if self.p.balance == "class":
             n_k = balanced_counts(counts, self.p.gamma)  # [m, K]
         else:
@@ -161,13 +199,18 @@ class FSTCBDG(LinearHead):
             "epoch": epoch,
         }
 
-    def _noise(self, ctx: Context, rnd: int, epoch: int, step: int, P: int) -> torch.Tensor:
-        """Rows 0..P-1 of this step's Gaussian bank ``[P, D]`` (blocks of 64 rows, each seeded on its own)."""
-        nb = math.ceil(P / BANK_BLOCK)
-        buf = torch.empty(nb * BANK_BLOCK, ctx.D, dtype=torch.float32)
-        for b in range(nb):
+    def _draw(self, ctx: Context, rnd: int, epoch: int, step: int, out: torch.Tensor) -> None:
+        """Fill ``out  # [bank_rows(P, D), D]`` (float32, cpu) with this step's Gaussian bank: blocks of 64 rows,
+        each seeded on its own."""
+        for b in range(math.ceil(out.shape[0] / BANK_BLOCK)):
             g = rng.generator(ctx.seed, rnd, epoch, step, b, rng.TAG_SYNTH_NOISE)
-            torch.randn(BANK_BLOCK, ctx.D, generator=g, out=buf[b * BANK_BLOCK : (b + 1) * BANK_BLOCK])
+            blk = out[b * BANK_BLOCK : (b + 1) * BANK_BLOCK]
+            torch.randn(blk.shape, generator=g, out=blk)
+
+    def _noise(self, ctx: Context, rnd: int, epoch: int, step: int, P: int) -> torch.Tensor:
+        """Rows 0..P-1 of this step's Gaussian bank ``[P, D]``."""
+        buf = torch.empty(bank_rows(P, ctx.D), ctx.D, dtype=torch.float32)
+        self._draw(ctx, rnd, epoch, step, buf)
         return buf[:P].to(device=ctx.device, dtype=ctx.text.dtype)
 
     def synthetic_logits(
@@ -241,8 +284,10 @@ class FSTCBDG(LinearHead):
         S = plan.steps
         J = n_k.sum(1)
         P = int(((J + S - 1) // S).max()) if m else 0  # most synthetic samples of any client's step
-        if P:
-            bank = torch.stack([self._noise(ctx, plan.rnd, epoch, s, P) for s in range(int(S.max()))]).numpy()
+        if P:  # the steps' banks, drawn side by side straight into the kernel's array
+            bank = torch.empty(int(S.max()), bank_rows(P, D), D, dtype=torch.float32)
+            list(_pool().map(lambda s: self._draw(ctx, plan.rnd, epoch, s, bank[s]), range(bank.shape[0])))
+            bank = bank.numpy().astype(dt, copy=False)
         else:
             bank = np.zeros((1, 1, D), dt)
         losses = np.zeros((int(S.max()), m), dtype=np.float64)
@@ -264,17 +309,16 @@ class FSTCBDG(LinearHead):
         pl = self.pseudo_labels(ctx)
         right = (pl == data.train_y).to(torch.float64)
         out = {"pseudo_label_acc_all": float(right.mean()) * 100}
-        part = ctx.state.get("last_rows")
-        if part is not None and len(part):
-            out["pseudo_label_acc"] = float(right[part].mean()) * 100
+        clients = ctx.state.get("last_clients")
+        if clients:  # the last round's participants (their rows found here, not in the timed local update)
+            plan = make_plan(ctx, 0, torch.cat(clients).numpy(), 1, 1)
+            out["pseudo_label_acc"] = float(right[plan_rows(ctx, plan)[2].to(right.device)].mean()) * 100
         else:
             out["pseudo_label_acc"] = None
         return out
 
     def local_end(self, ctx: Context, plan: RoundPlan, local: dict, params: dict) -> None:
-        _, _, rows = plan_rows(ctx, plan)
-        prev = ctx.state.get("last_rows")
-        if prev is not None and ctx.state.get("last_round") == plan.rnd:
-            rows = torch.cat([prev.cpu(), rows])  # loop engine: one client at a time
-        ctx.state["last_rows"] = rows.to(ctx.device)
+        if ctx.state.get("last_round") != plan.rnd:
+            ctx.state["last_clients"] = []
+        ctx.state["last_clients"].append(plan.clients)  # the loop engine: one client at a time
         ctx.state["last_round"] = plan.rnd
