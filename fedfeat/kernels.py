@@ -43,9 +43,11 @@ NTD = 1
 
 
 @nb.njit(fastmath=True)
-def _dots4(Wj, bj, x0, x1, x2, x3, scale, zero, Z):
-    """``Z[0:4, k] = scale * (W_k . x_t + b_k)``: two weight rows x four samples per pass (8 accumulators; each
-    loaded vector feeds 2 or 4 FMAs). An odd last row is paired with itself."""
+def _dots4(Wj, bj, A, r0, r1, r2, r3, scale, zero, Z):
+    """``Z[0:4, k] = scale * (W_k . x_t + b_k)`` for the samples ``x_t = A[r_t]``: two weight rows x four samples
+    per pass (8 accumulators; each loaded vector feeds 2 or 4 FMAs). An odd last row is paired with itself.
+    Samples are rows of a shared array, not views of it: a view costs an atomic reference count on the
+    array, and two threads doing that per sample fight over its cache line."""
     K, D = Wj.shape
     for k in range(0, K, 2):
         k1 = min(k + 1, K - 1)
@@ -60,10 +62,10 @@ def _dots4(Wj, bj, x0, x1, x2, x3, scale, zero, Z):
         for d in range(D):
             w = Wj[k, d]
             v = Wj[k1, d]
-            y0 = x0[d]
-            y1 = x1[d]
-            y2 = x2[d]
-            y3 = x3[d]
+            y0 = A[r0, d]
+            y1 = A[r1, d]
+            y2 = A[r2, d]
+            y3 = A[r3, d]
             a0 += w * y0
             a1 += w * y1
             a2 += w * y2
@@ -83,18 +85,18 @@ def _dots4(Wj, bj, x0, x1, x2, x3, scale, zero, Z):
 
 
 @nb.njit(fastmath=True)
-def _dots1(Wj, bj, x0, scale, zero, Z, t):
+def _dots1(Wj, bj, A, r0, scale, zero, Z, t):
     K, D = Wj.shape
     for k in range(K):
         a0 = zero  # of the arrays' dtype (a literal 0 would make the accumulators float64)
         for d in range(D):
-            a0 += Wj[k, d] * x0[d]
+            a0 += Wj[k, d] * A[r0, d]
         Z[t, k] = scale * (a0 + bj[k])
 
 
 @nb.njit(fastmath=True)
-def _acc4(gW, G, x0, x1, x2, x3, zero):
-    """``gW += G[0:4]^T [x0; x1; x2; x3]``: two gradient rows per pass over the four samples (an odd last row
+def _acc4(gW, G, A, r0, r1, r2, r3, zero):
+    """``gW += G[0:4]^T A[[r0, r1, r2, r3]]``: two gradient rows per pass over the four samples (an odd last row
     is paired with itself, with zero weights for the copy)."""
     K, D = gW.shape
     for k in range(0, K, 2):
@@ -104,21 +106,21 @@ def _acc4(gW, G, x0, x1, x2, x3, zero):
         if k1 == k:
             h0, h1, h2, h3 = zero, zero, zero, zero
         for d in range(D):
-            y0 = x0[d]
-            y1 = x1[d]
-            y2 = x2[d]
-            y3 = x3[d]
+            y0 = A[r0, d]
+            y1 = A[r1, d]
+            y2 = A[r2, d]
+            y3 = A[r3, d]
             gW[k, d] += g0 * y0 + g1 * y1 + g2 * y2 + g3 * y3
             gW[k1, d] += h0 * y0 + h1 * y1 + h2 * y2 + h3 * y3
 
 
 @nb.njit(fastmath=True)
-def _acc1(gW, G, x0, t):
+def _acc1(gW, G, A, r0, t):
     K, D = gW.shape
     for k in range(K):
         g0 = G[t, k]
         for d in range(D):
-            gW[k, d] += g0 * x0[d]
+            gW[k, d] += g0 * A[r0, d]
 
 
 @intrinsic
@@ -238,14 +240,14 @@ def _ntd_grad(z, zg, y, tau, beta, g):
 
 
 @nb.njit(fastmath=True)
-def _grads(Z, Zg, G, gb, lse, labels, rows, q, mode, scale, inv, tau, beta):
+def _grads(Z, Zg, G, gb, lse, labels, prow, i0, q, mode, scale, inv, tau, beta):
     """Per-sample logit gradients ``G[:q]`` (already times ``scale / count``), bias gradient; returns the
     summed loss of the ``q`` samples."""
     K = Z.shape[1]
     lsum = 0.0
     _softmax(Z, G, q, lse)
     for t in range(q):
-        y = labels[rows[t]]
+        y = labels[prow[i0 + t]]
         lsum += _ce(Z, G, t, y, lse)
         if mode == NTD:
             lsum += beta * tau * tau * _ntd_grad(Z[t], Zg[t], y, tau, beta, G[t])
@@ -337,25 +339,22 @@ def _linear_client(j, feats, labels, starts, sizes, B, key, W, b, mW, mb, Wg, bg
         lsum = 0.0
         for r0 in range(0, c, 4):
             q = min(4, c - r0)
-            rows = prow[s * B + r0 : s * B + r0 + q]
+            i0 = s * B + r0  # the block's samples: rows prow[i0 .. i0 + q - 1]
             if q == 4:
-                x0 = feats[rows[0]]
-                x1 = feats[rows[1]]
-                x2 = feats[rows[2]]
-                x3 = feats[rows[3]]
-                _dots4(Wj, bj, x0, x1, x2, x3, scale, zero, Z)
+                x0, x1, x2, x3 = prow[i0], prow[i0 + 1], prow[i0 + 2], prow[i0 + 3]
+                _dots4(Wj, bj, feats, x0, x1, x2, x3, scale, zero, Z)
                 if mode == NTD:
-                    _dots4(Wg, bg, x0, x1, x2, x3, scale, zero, Zg)
-                lsum += _grads(Z, Zg, G, gb, lse, labels, rows, q, mode, scale, inv, tau, beta)
-                _acc4(gW, G, x0, x1, x2, x3, zero)
+                    _dots4(Wg, bg, feats, x0, x1, x2, x3, scale, zero, Zg)
+                lsum += _grads(Z, Zg, G, gb, lse, labels, prow, i0, q, mode, scale, inv, tau, beta)
+                _acc4(gW, G, feats, x0, x1, x2, x3, zero)
             else:
                 for t in range(q):
-                    _dots1(Wj, bj, feats[rows[t]], scale, zero, Z, t)
+                    _dots1(Wj, bj, feats, prow[i0 + t], scale, zero, Z, t)
                     if mode == NTD:
-                        _dots1(Wg, bg, feats[rows[t]], scale, zero, Zg, t)
-                lsum += _grads(Z, Zg, G, gb, lse, labels, rows, q, mode, scale, inv, tau, beta)
+                        _dots1(Wg, bg, feats, prow[i0 + t], scale, zero, Zg, t)
+                lsum += _grads(Z, Zg, G, gb, lse, labels, prow, i0, q, mode, scale, inv, tau, beta)
                 for t in range(q):
-                    _acc1(gW, G, feats[rows[t]], t)
+                    _acc1(gW, G, feats, prow[i0 + t], t)
         prox = 0.0
         if mu != 0:  # FedProx: + mu (p - p_global) (and its loss mu/2 ||p - p_global||^2 at this step)
             for k in range(K):
@@ -381,7 +380,7 @@ def _linear_epoch(feats, labels, starts, sizes, B, key, W, b, mW, mb, Wg, bg, hp
 
 
 @nb.njit(fastmath=True)
-def _soft_grads(Z, G, lse, q, rows, n, beta, st, coef):
+def _soft_grads(Z, G, lse, q, prow, i0, n, beta, st, coef):
     """FST-CBDG's real samples: ``f = softmax(z)``; the soft label is updated first, ``q <- beta q +
     (1 - beta) f`` (written back); with self-training (``st``) ``G = coef (f sum(q) - q)``, the gradient of
     ``-sum_k q_k log f_k``, else ``G = 0``. Returns the summed self-training loss."""
@@ -389,15 +388,15 @@ def _soft_grads(Z, G, lse, q, rows, n, beta, st, coef):
     lsum = 0.0
     _softmax(Z, G, n, lse)
     for t in range(n):
-        qr = q[rows[t]]
+        r = prow[i0 + t]
         qs = 0.0
         for k in range(K):
-            qr[k] = beta * qr[k] + (1 - beta) * G[t, k]
-            qs += qr[k]
+            q[r, k] = beta * q[r, k] + (1 - beta) * G[t, k]
+            qs += q[r, k]
         for k in range(K):
             if st:
-                lsum += qr[k] * (lse[t] - Z[t, k])
-                G[t, k] = coef * (G[t, k] * qs - qr[k])
+                lsum += q[r, k] * (lse[t] - Z[t, k])
+                G[t, k] = coef * (G[t, k] * qs - q[r, k])
             else:
                 G[t, k] = 0
     return lsum
@@ -411,9 +410,8 @@ def _synthetic(X, text, bank, cls, sign, s, p0, n, sig, renorm):
     for t in range(n):
         c = cls[p0 + t]
         a = sig * sign[p0 + t]
-        e = bank[s, p0 + t]
         for d in range(D):
-            X[t, d] = text[c, d] + a * e[d]
+            X[t, d] = text[c, d] + a * bank[s, p0 + t, d]
         if renorm:
             sq = 0.0
             for d in range(D):
@@ -475,20 +473,20 @@ def _fst_client(
         lsum = 0.0
         for r0 in range(0, c, 4):  # real samples: soft-label update, self-training gradient
             n = min(4, c - r0)
-            rows = prow[s * B + r0 : s * B + r0 + n]
+            i0 = s * B + r0  # the block's samples: rows prow[i0 .. i0 + n - 1]
             if n == 4:
-                x0, x1, x2, x3 = feats[rows[0]], feats[rows[1]], feats[rows[2]], feats[rows[3]]
-                _dots4(Wj, bj, x0, x1, x2, x3, scale, zero, Z)
-                lsum += _soft_grads(Z, G, lse, q, rows, n, beta, st, coef)
+                x0, x1, x2, x3 = prow[i0], prow[i0 + 1], prow[i0 + 2], prow[i0 + 3]
+                _dots4(Wj, bj, feats, x0, x1, x2, x3, scale, zero, Z)
+                lsum += _soft_grads(Z, G, lse, q, prow, i0, n, beta, st, coef)
                 if st:
-                    _acc4(gW, G, x0, x1, x2, x3, zero)
+                    _acc4(gW, G, feats, x0, x1, x2, x3, zero)
             else:
                 for t in range(n):
-                    _dots1(Wj, bj, feats[rows[t]], scale, zero, Z, t)
-                lsum += _soft_grads(Z, G, lse, q, rows, n, beta, st, coef)
+                    _dots1(Wj, bj, feats, prow[i0 + t], scale, zero, Z, t)
+                lsum += _soft_grads(Z, G, lse, q, prow, i0, n, beta, st, coef)
                 if st:
                     for t in range(n):
-                        _acc1(gW, G, feats[rows[t]], t)
+                        _acc1(gW, G, feats, prow[i0 + t], t)
             if st:
                 for t in range(n):
                     for k in range(K):
@@ -502,10 +500,10 @@ def _fst_client(
                 n = min(4, cs - p0)
                 _synthetic(X, text, bank, cls, sign, s, p0, n, sig, renorm)
                 if n == 4:
-                    _dots4(Wj, bj, X[0], X[1], X[2], X[3], scale, zero, Z)
+                    _dots4(Wj, bj, X, 0, 1, 2, 3, scale, zero, Z)
                 else:
                     for t in range(n):
-                        _dots1(Wj, bj, X[t], scale, zero, Z, t)
+                        _dots1(Wj, bj, X, t, scale, zero, Z, t)
                 _softmax(Z, G, n, lse)
                 for t in range(n):
                     ssum += _ce(Z, G, t, cls[p0 + t], lse)
@@ -513,10 +511,10 @@ def _fst_client(
                         G[t, k] *= scoef
                         gb[k] += G[t, k]
                 if n == 4:
-                    _acc4(gW, G, X[0], X[1], X[2], X[3], zero)
+                    _acc4(gW, G, X, 0, 1, 2, 3, zero)
                 else:
                     for t in range(n):
-                        _acc1(gW, G, X[t], t)
+                        _acc1(gW, G, X, t, t)
             loss += lam * ssum / cs
         _sgd(Wj, bj, mW[j], mb[j], gW, gb, lr, mom, wd)
         loss_out[s, j] = loss

@@ -66,12 +66,10 @@ def bank_rows(P: int, D: int) -> int:
 _POOL: ThreadPoolExecutor | None = None  # draws a round's bank steps side by side (torch.randn frees the GIL)
 
 
-def _pool() -> ThreadPoolExecutor:
+def _pool(threads: int) -> ThreadPoolExecutor:
     global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(
-            max_workers=max(1, torch.get_num_threads()), thread_name_prefix="fedfeat-bank"
-        )
+    if _POOL is None or _POOL._max_workers != threads:
+        _POOL = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fedfeat-bank")
     return _POOL
 
 
@@ -286,7 +284,11 @@ class FSTCBDG(LinearHead):
         P = int(((J + S - 1) // S).max()) if m else 0  # most synthetic samples of any client's step
         if P:  # the steps' banks, drawn side by side straight into the kernel's array
             bank = torch.empty(int(S.max()), bank_rows(P, D), D, dtype=torch.float32)
-            list(_pool().map(lambda s: self._draw(ctx, plan.rnd, epoch, s, bank[s]), range(bank.shape[0])))
+            list(
+                _pool(ctx.threads).map(
+                    lambda s: self._draw(ctx, plan.rnd, epoch, s, bank[s]), range(bank.shape[0])
+                )
+            )
             bank = bank.numpy().astype(dt, copy=False)
         else:
             bank = np.zeros((1, 1, D), dt)
@@ -299,7 +301,7 @@ class FSTCBDG(LinearHead):
             key_sign=rng.stream_key(ctx.seed, plan.rnd, epoch, rng.TAG_SYNTH_OFFSET), bank=bank,
             lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay, logit_scale=p.logit_scale,
             beta=p.beta, lam=p.lam, sigma=p.sigma / math.sqrt(D), self_training=p.self_training,
-            renormalize=p.renormalize_synthetic, loss_out=losses, threads=torch.get_num_threads(),
+            renormalize=p.renormalize_synthetic, loss_out=losses, threads=ctx.threads,
         )  # fmt: skip
         return losses
 

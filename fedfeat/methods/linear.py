@@ -98,7 +98,7 @@ class LinearHead(Method):
             W=params["W"].numpy(), b=params["b"].numpy(), mW=bufs["W"].numpy(), mb=bufs["b"].numpy(),
             Wg=glob["W"].contiguous().numpy(), bg=glob["b"].contiguous().numpy(),
             lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay, logit_scale=self.p.logit_scale,
-            mode=mode, mu=mu, tau=tau, beta=beta, loss_out=losses, threads=torch.get_num_threads(),
+            mode=mode, mu=mu, tau=tau, beta=beta, loss_out=losses, threads=ctx.threads,
         )  # fmt: skip
         return losses
 
