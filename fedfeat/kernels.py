@@ -3,15 +3,16 @@
 On a CPU the batched torch program of a round (gather the step's mini-batches into ``[n, B, D]``, ``bmm`` forward,
 loss, ``bmm`` weight gradient, optimizer) moves each sample three times per step and runs its thin GEMMs
 (K = 10 outputs per client) at a fraction of the machine's matmul rate. This kernel reads each sample's features
-**once**, straight from the client-major matrix (no gather buffer): per client (threads over clients) and per
-step, it shuffles and batches the client's samples itself (the keys and stable order of ``engine.epoch_tables``),
-computes the logits of four samples at a time against two rows of the client's head, the per-sample loss gradient, accumulates the weight gradient while the rows are
-still in L1, and applies the SGD step (``torch.optim.SGD`` semantics: weight decay into the gradient, momentum
-buffer ``buf = m buf + d``, zero at the start of a round) before the client's next step.
+**once**, straight from the client-major matrix (no gather buffer): per client (the threads take clients from an
+atomic work queue, so a thread the host slows down takes fewer) and per step, it shuffles and batches the client's
+samples itself (the keys and stable order of ``engine.epoch_tables``), computes the logits of four samples at a
+time against two rows of the client's head, their softmax (an inlined, vectorisable exp: numba's ``np.exp`` is a
+libm call per element), the per-sample loss gradient, accumulates the weight gradient while the rows are still in
+L1, and applies the SGD step (``torch.optim.SGD`` semantics: weight decay into the gradient, momentum buffer
+``buf = m buf + d``, zero at the start of a round) before the client's next step.
 
 It is the same mathematics as the torch path (``fedfeat.methods.linear``, ``fedfeat.methods.fst_cbdg``): the
-tests run both against the loop
-engine (``test_engine.py``, ``<= 1e-5``). Compiled by numba on first use (cached on disk next to this file).
+tests run both against the loop engine (``test_engine.py``, ``<= 1e-5``). Compiled by numba on first use (cached on disk next to this file).
 Used by the batched engine on CPU when ``--kernel auto`` (the default) or ``fused``; ``--kernel torch`` keeps the
 tensor program (the path the GPU always takes: there one ``bmm`` over all clients is the right program).
 
@@ -294,13 +295,14 @@ def _begin_step(gW, gb, n, s, B):
 
 
 @nb.njit
-def _client(W, b, j):
-    """Client ``j``'s head (views) and a thread's scratch for it: weight / bias gradients, two ``[4, K]`` logit
-    blocks, the logit gradients ``[4, K]``, four ``[D]`` rows for formed (synthetic) samples and the block's
-    four log-sum-exps (float64)."""
+def _scratch(W, P):
+    """A thread's scratch, made once and used for all the clients it takes: weight / bias gradients, two
+    ``[4, K]`` logit blocks, the logit gradients ``[4, K]``, four ``[D]`` rows for formed (synthetic) samples,
+    the block's four log-sum-exps (float64), a step's synthetic classes and signs (``P`` at most), and momentum
+    buffers for one-epoch rounds (``_start``)."""
     K, D = W.shape[1], W.shape[2]
     z = np.zeros((4, K), W.dtype)
-    scratch = (
+    return (
         np.zeros((K, D), W.dtype),
         np.zeros(K, W.dtype),
         z,
@@ -308,8 +310,30 @@ def _client(W, b, j):
         z.copy(),
         np.zeros((4, D), W.dtype),
         np.zeros(4, np.float64),
+        np.zeros(P, np.int64),
+        np.zeros(P, W.dtype),
+        np.zeros((K, D), W.dtype),
+        np.zeros(K, W.dtype),
     )
-    return (W[j], b[j]) + scratch
+
+
+@nb.njit
+def _start(W, b, mW, mb, Wg, bg, j, init, one_epoch, scr):
+    """Client ``j``'s momentum buffers, and in a round's first epoch (``init``) its start from the global head
+    with zero momentum (written here, in the client's thread, rather than by copies of the whole ``[m, K, D]``
+    before the kernel). In a one-epoch round the momentum lives and dies with the client: in the thread's
+    scratch, not in ``mW``, ``mb`` (which are then not touched)."""
+    if init:
+        W[j] = Wg
+        b[j] = bg
+    if one_epoch:
+        mWj, mbj = scr[9], scr[10]
+    else:
+        mWj, mbj = mW[j], mb[j]
+    if init:
+        mWj[:] = 0
+        mbj[:] = 0
+    return mWj, mbj
 
 
 @nb.njit(fastmath=True)
@@ -326,11 +350,15 @@ def _sgd(Wj, bj, mWj, mbj, gW, gb, lr, mom, wd):
 
 
 @nb.njit(fastmath=True)
-def _linear_client(j, feats, labels, starts, sizes, B, key, W, b, mW, mb, Wg, bg, hp, mode, loss_out):
+def _linear_client(
+    j, feats, labels, starts, sizes, B, key, W, b, mW, mb, Wg, bg, hp, mode, loss_out, init, one_epoch, scr
+):
     """Client ``j``'s local epoch (``linear_epoch``)."""
+    mWj, mbj = _start(W, b, mW, mb, Wg, bg, j, init, one_epoch, scr)
     K, D = W.shape[1], W.shape[2]
     lr, mom, wd, scale, mu, tau, beta, zero = hp[0], hp[1], hp[2], hp[3], hp[4], hp[5], hp[6], hp[7]
-    Wj, bj, gW, gb, Z, Zg, G, _, lse = _client(W, b, j)
+    gW, gb, Z, Zg, G, lse = scr[0], scr[1], scr[2], scr[3], scr[4], scr[6]
+    Wj, bj = W[j], b[j]
     n_j = sizes[j]
     prow = _client_rows(key, starts[j], n_j)
     for s in range((n_j + B - 1) // B):
@@ -365,17 +393,23 @@ def _linear_client(j, feats, labels, starts, sizes, B, key, W, b, mW, mb, Wg, bg
                 diff = bj[k] - bg[k]
                 prox += diff * diff
                 gb[k] += mu * diff
-        _sgd(Wj, bj, mW[j], mb[j], gW, gb, lr, mom, wd)
+        _sgd(Wj, bj, mWj, mbj, gW, gb, lr, mom, wd)
         loss_out[s, j] = lsum * inv + 0.5 * mu * prox
 
 
 @nb.njit(parallel=True, fastmath=True, cache=True)
-def _linear_epoch(feats, labels, starts, sizes, B, key, W, b, mW, mb, Wg, bg, hp, mode, loss_out, workers):
+def _linear_epoch(
+    feats, labels, starts, sizes, B, key, W, b, mW, mb, Wg, bg, hp, mode, loss_out, init, one_epoch, workers
+):
     nxt = np.zeros(1, np.int64)  # the next client to take: threads take clients as they finish
     for _th in nb.prange(workers):
+        scr = _scratch(W, 1)
         j = _next(nxt)
         while j < sizes.shape[0]:
-            _linear_client(j, feats, labels, starts, sizes, B, key, W, b, mW, mb, Wg, bg, hp, mode, loss_out)
+            _linear_client(
+                j, feats, labels, starts, sizes, B, key, W, b, mW, mb, Wg, bg, hp, mode, loss_out, init, one_epoch,
+                scr,
+            )  # fmt: skip
             j = _next(nxt)
 
 
@@ -453,20 +487,21 @@ def _synthetic_step(cls_all, S, s, cid, key, cls, sign):
 
 @nb.njit(fastmath=True)
 def _fst_client(
-    j, feats, starts, sizes, B, key, q, W, b, mW, mb, text, n_k, cids, key_order, key_sign, bank, hp, loss_out
-):
-    """Client ``j``'s local epoch (``fst_epoch``)."""
+    j, feats, starts, sizes, B, key, q, W, b, mW, mb, Wg, bg, text, n_k, cids, key_order, key_sign, bank, hp,
+    loss_out, init, one_epoch, scr,
+):  # fmt: skip
+    """Client ``j``'s local epoch (``fst_epoch``; ``scr``: the thread's ``_scratch``)."""
+    mWj, mbj = _start(W, b, mW, mb, Wg, bg, j, init, one_epoch, scr)
     K = W.shape[1]
     lr, mom, wd, scale, beta, lam, sig, zero = hp[0], hp[1], hp[2], hp[3], hp[4], hp[5], hp[6], hp[9]
     st = hp[7] != 0
     renorm = hp[8] != 0
-    Wj, bj, gW, gb, Z, _, G, X, lse = _client(W, b, j)
+    gW, gb, Z, G, X, lse, cls, sign = scr[0], scr[1], scr[2], scr[4], scr[5], scr[6], scr[7], scr[8]
+    Wj, bj = W[j], b[j]
     n_j = sizes[j]
     prow = _client_rows(key, starts[j], n_j)
     S_j = (n_j + B - 1) // B
     syn_all = _synthetic_classes(n_k[j], cids[j], key_order)
-    cls = np.empty(bank.shape[1], np.int64)
-    sign = np.empty(bank.shape[1], W.dtype)
     for s in range(S_j):
         c = _begin_step(gW, gb, n_j, s, B)
         coef = scale / c
@@ -516,39 +551,23 @@ def _fst_client(
                     for t in range(n):
                         _acc1(gW, G, X, t, t)
             loss += lam * ssum / cs
-        _sgd(Wj, bj, mW[j], mb[j], gW, gb, lr, mom, wd)
+        _sgd(Wj, bj, mWj, mbj, gW, gb, lr, mom, wd)
         loss_out[s, j] = loss
 
 
 @nb.njit(parallel=True, fastmath=True, cache=True)
 def _fst_epoch(
-    feats,
-    starts,
-    sizes,
-    B,
-    key,
-    q,
-    W,
-    b,
-    mW,
-    mb,
-    text,
-    n_k,
-    cids,
-    key_order,
-    key_sign,
-    bank,
-    hp,
-    loss_out,
-    workers,
-):
+    feats, starts, sizes, B, key, q, W, b, mW, mb, Wg, bg, text, n_k, cids, key_order, key_sign, bank, hp, loss_out,
+    init, one_epoch, workers,
+):  # fmt: skip
     nxt = np.zeros(1, np.int64)  # as _linear_epoch
     for _th in nb.prange(workers):
+        scr = _scratch(W, bank.shape[1])
         j = _next(nxt)
         while j < sizes.shape[0]:
             _fst_client(
-                j, feats, starts, sizes, B, key, q, W, b, mW, mb, text, n_k, cids, key_order, key_sign, bank, hp,
-                loss_out,
+                j, feats, starts, sizes, B, key, q, W, b, mW, mb, Wg, bg, text, n_k, cids, key_order, key_sign,
+                bank, hp, loss_out, init, one_epoch, scr,
             )  # fmt: skip
             j = _next(nxt)
 
@@ -588,7 +607,7 @@ def _prepare(name: str, W, arrays, hyper: list, threads: int) -> tuple[np.ndarra
 
 def linear_epoch(
     feats, labels, starts, sizes, B, key, W, b, mW, mb, Wg, bg, *, lr, momentum, weight_decay, logit_scale,
-    mode=CE, mu=0.0, tau=1.0, beta=0.0, loss_out, threads: int,
+    mode=CE, mu=0.0, tau=1.0, beta=0.0, loss_out, threads: int, init: bool = False, one_epoch: bool = False,
 ) -> None:  # fmt: skip
     """One local epoch of the linear heads of clients ``0..m-1``, in place (numpy arrays; the float ones all of
     one dtype, float32 or float64).
@@ -596,8 +615,10 @@ def linear_epoch(
     ``feats [N, D]`` client-major features, ``labels [N]`` int64; client j holds rows ``starts[j] ..
     starts[j] + sizes[j] - 1``, shuffled in the kernel by ``key`` (``engine.shuffle_key``: the
     order of ``engine.epoch_tables``) into mini-batches of ``B`` (the last one smaller);
-    ``W [m, K, D]``, ``b [m, K]`` and their SGD momentum buffers ``mW``, ``mb`` (zeros at the start of a round);
-    ``Wg [K, D]``, ``bg [K]`` the round's global head (proximal term, distillation). Loss: ``mode`` ``CE`` (+
+    ``W [m, K, D]``, ``b [m, K]`` and their SGD momentum buffers ``mW``, ``mb``; ``Wg [K, D]``, ``bg [K]`` the
+    round's global head (proximal term, distillation). ``init`` (a round's first epoch): each client starts from
+    the global head with zero momentum (``W``, ``b``, ``mW``, ``mb`` may then hold anything); ``one_epoch`` (the
+    round has no other epoch): the momentum is kept per thread, ``mW``, ``mb`` are not used. Loss: ``mode`` ``CE`` (+
     ``mu / 2 ||p - p_global||^2`` when ``mu``) or ``NTD`` (``tau``, ``beta``). Each step's loss (the client's
     mean over its samples, + the proximal term) goes to ``loss_out [S, m]`` (float64). Runs on ``threads``
     threads over clients.
@@ -607,29 +628,31 @@ def linear_epoch(
         [lr, momentum, weight_decay, logit_scale, mu, tau, beta, 0.0], threads,
     )  # fmt: skip
     _linear_epoch(
-        feats, labels, starts, sizes, B, np.uint64(key), W, b, mW, mb, Wg, bg, hp, mode, loss_out, workers
-    )
+        feats, labels, starts, sizes, B, np.uint64(key), W, b, mW, mb, Wg, bg, hp, mode, loss_out, bool(init),
+        bool(one_epoch), workers,
+    )  # fmt: skip
 
 
 def fst_epoch(
-    feats, starts, sizes, B, key, q, W, b, mW, mb, text, n_k, cids, key_order, key_sign, bank, *, lr, momentum,
-    weight_decay, logit_scale, beta, lam, sigma, self_training, renormalize, loss_out, threads: int,
+    feats, starts, sizes, B, key, q, W, b, mW, mb, Wg, bg, text, n_k, cids, key_order, key_sign, bank, *, lr,
+    momentum, weight_decay, logit_scale, beta, lam, sigma, self_training, renormalize, loss_out, threads: int,
+    init: bool = False, one_epoch: bool = False,
 ) -> None:  # fmt: skip
     """One local epoch of FST-CBDG for clients ``0..m-1``, in place (``fedfeat.methods.fst_cbdg``).
 
-    As ``linear_epoch`` for ``feats, starts, sizes, B, key, W, b, mW, mb, loss_out``; ``q [N, K]`` the soft
-    pseudo-labels (updated in place for each step's samples before the step's gradient); ``text [K, D]`` the
+    As ``linear_epoch`` for ``feats, starts, sizes, B, key, W, b, mW, mb, Wg, bg, loss_out, init,
+    one_epoch``; ``q [N, K]`` the soft pseudo-labels (updated in place for each step's samples before the step's gradient); ``text [K, D]`` the
     class prototypes; synthetic samples: ``n_k [m, K]`` per class and client for the epoch, ordered with
     ``key_order`` and spread over the client's steps, random signs from ``key_sign`` (``cids [m]`` client ids:
     the draws are keyed by client, not by slot), noise rows ``bank [S, P, D]`` (row p for a step's p-th
     sample; P >= the most samples of any step); ``sigma`` in feature units (already divided by sqrt(D)).
     """
     hp, workers = _prepare(
-        "fst_epoch", W, (feats, q, b, mW, mb, text, bank),
+        "fst_epoch", W, (feats, q, b, mW, mb, Wg, bg, text, bank),
         [lr, momentum, weight_decay, logit_scale, beta, lam, sigma, float(self_training), float(renormalize), 0.0],
         threads,
     )  # fmt: skip
     _fst_epoch(
-        feats, starts, sizes, B, np.uint64(key), q, W, b, mW, mb, text, n_k, cids, np.uint64(key_order),
-        np.uint64(key_sign), bank, hp, loss_out, workers,
+        feats, starts, sizes, B, np.uint64(key), q, W, b, mW, mb, Wg, bg, text, n_k, cids, np.uint64(key_order),
+        np.uint64(key_sign), bank, hp, loss_out, bool(init), bool(one_epoch), workers,
     )  # fmt: skip

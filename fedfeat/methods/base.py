@@ -184,8 +184,9 @@ class Method:
     def fused_epoch(self, ctx, plan, glob, local, params, opt, epoch):
         """Local epoch ``epoch`` of all the plan's clients in a fused kernel (which shuffles and batches as
         ``engine.epoch_tables``: ``engine.fused_batches``); replaces ``epoch_begin`` and the epoch's steps (the
-        kernel makes ``epoch_begin``'s draws itself); SGD momentum buffers are ``opt.state["fused"]`` (zero at the start
-        of the round). Returns the ``[S, m]`` step losses."""
+        kernel makes ``epoch_begin``'s draws itself); SGD momentum buffers are ``opt.state["fused"]``. ``params`` and
+        the buffers arrive uninitialised: the first epoch (``epoch == 0``) starts each client from ``glob`` with zero
+        momentum, in the kernel. Returns the ``[S, m]`` step losses."""
         raise NotImplementedError
 
     # ---- evaluation

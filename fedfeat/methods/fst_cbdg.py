@@ -295,13 +295,15 @@ class FSTCBDG(LinearHead):
         losses = np.zeros((int(S.max()), m), dtype=np.float64)
         kernels.fst_epoch(
             ctx.feats.numpy(), **fused_batches(ctx, plan, epoch), q=ctx.state["q"].numpy(), W=W.numpy(),
-            b=params["b"].numpy(), mW=bufs["W"].numpy(), mb=bufs["b"].numpy(), text=ctx.text.contiguous().numpy(),
+            b=params["b"].numpy(), mW=bufs["W"].numpy(), mb=bufs["b"].numpy(), Wg=glob["W"].contiguous().numpy(),
+            bg=glob["b"].contiguous().numpy(), text=ctx.text.contiguous().numpy(),
             n_k=n_k.numpy(), cids=plan.clients.numpy(),
             key_order=rng.stream_key(ctx.seed, plan.rnd, epoch, rng.TAG_SYNTH_ORDER),
             key_sign=rng.stream_key(ctx.seed, plan.rnd, epoch, rng.TAG_SYNTH_OFFSET), bank=bank,
             lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay, logit_scale=p.logit_scale,
             beta=p.beta, lam=p.lam, sigma=p.sigma / math.sqrt(D), self_training=p.self_training,
-            renormalize=p.renormalize_synthetic, loss_out=losses, threads=ctx.threads,
+            renormalize=p.renormalize_synthetic, loss_out=losses, threads=ctx.threads, init=epoch == 0,
+            one_epoch=plan.epochs == 1,
         )  # fmt: skip
         return losses
 

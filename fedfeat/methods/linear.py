@@ -87,7 +87,8 @@ class LinearHead(Method):
         return self.p.logit_scale * (x @ glob["W"].T + glob["b"])
 
     def fused_epoch(self, ctx, plan, glob, local, params, opt, epoch):
-        """The epoch in ``fedfeat.kernels.linear_epoch`` (SGD state: momentum buffers, zero at round start)."""
+        """The epoch in ``fedfeat.kernels.linear_epoch`` (SGD state: momentum buffers; the first epoch starts
+        every client from ``glob``)."""
         from fedfeat import kernels
 
         mode, mu, tau, beta = self.fused_loss()
@@ -98,7 +99,8 @@ class LinearHead(Method):
             W=params["W"].numpy(), b=params["b"].numpy(), mW=bufs["W"].numpy(), mb=bufs["b"].numpy(),
             Wg=glob["W"].contiguous().numpy(), bg=glob["b"].contiguous().numpy(),
             lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay, logit_scale=self.p.logit_scale,
-            mode=mode, mu=mu, tau=tau, beta=beta, loss_out=losses, threads=ctx.threads,
+            mode=mode, mu=mu, tau=tau, beta=beta, loss_out=losses, threads=ctx.threads, init=epoch == 0,
+            one_epoch=plan.epochs == 1,
         )  # fmt: skip
         return losses
 
