@@ -124,6 +124,22 @@ def test_kernel_choice(small):
         resolve_kernel("fast", get_method("fedavg"), "batched", cpu)
 
 
+def test_fused_run_gives_torch_its_threads_back(small):
+    """A fused run puts torch on one thread (the kernels own the cores) and restores it, even on error."""
+    data = load_run_data(*small)
+    before = torch.get_num_threads()
+    seen = []
+    run_federated(
+        get_method("fedavg"), data, rounds=1, participation=0.5, seed=0, kernel="fused",
+        on_round=lambda row: seen.append(torch.get_num_threads()),
+    )  # fmt: skip
+    assert seen == [1, 1] and torch.get_num_threads() == before
+    with pytest.raises(ZeroDivisionError):
+        run_federated(get_method("fedavg"), data, rounds=1, participation=0.5, seed=0, kernel="fused",
+                      on_round=lambda row: 1 / 0)  # fmt: skip
+    assert torch.get_num_threads() == before
+
+
 def test_training_changes_the_head(small):
     g0, m0 = _run(small, "fedavg", {"batch_size": "16"}, "batched", rounds=0)
     g1, _ = _run(small, "fedavg", {"batch_size": "16"}, "batched", rounds=1)
