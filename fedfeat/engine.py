@@ -209,13 +209,16 @@ def run_local(
             plan.rnd, plan.clients[rows], plan.sizes[rows], plan.steps[rows], plan.batch_size, plan.epochs
         )
     m = plan.m
-    if kernel == "fused":
-        # whole epochs (epoch_begin's draws included) in the method's compiled kernel, which also starts each client
-        # from glob with zero momentum (in its thread, not as a copy of [m, K, D] here)
+    if kernel == "fused":  # the kernel starts each client from glob itself (not a copy of [m, K, D] here)
         params = {k: _round_buffer(ctx, k, m, v) for k, v in glob.items()}
-        opt = method.make_optimizer(plan.rnd)
-        opt.reset(params)
-        local = method.local_begin(ctx, plan, glob)
+    else:
+        params = {
+            k: v.detach().unsqueeze(0).repeat(m, *([1] * v.dim())).contiguous() for k, v in glob.items()
+        }
+    opt = method.make_optimizer(plan.rnd)
+    opt.reset(params)
+    local = method.local_begin(ctx, plan, glob)
+    if kernel == "fused":  # whole epochs (epoch_begin's draws included) in the method's compiled kernel
         opt.state["fused"] = {k: _round_buffer(ctx, "momentum " + k, m, v) for k, v in glob.items()}
         loss = sum(
             float(method.fused_epoch(ctx, plan, glob, local, params, opt, e).sum())
@@ -223,10 +226,6 @@ def run_local(
         )
         method.local_end(ctx, plan, local, params)
         return params, {"loss_sum": loss, "loss_steps": int(plan.steps.sum()) * plan.epochs}
-    params = {k: v.detach().unsqueeze(0).repeat(m, *([1] * v.dim())).contiguous() for k, v in glob.items()}
-    opt = method.make_optimizer(plan.rnd)
-    opt.reset(params)
-    local = method.local_begin(ctx, plan, glob)
     labels = ctx.labels
     D = ctx.feats.shape[1]
     xbuf = torch.empty(m * plan.batch_size, D, dtype=ctx.feats.dtype, device=ctx.device)

@@ -53,7 +53,7 @@ def bank_rows(P: int, D: int) -> int:
     """How many rows to draw for rows ``0..P-1`` of a step's bank: whole 64-row blocks, the last one cut to the
     fewest rows ``>=`` what is needed whose ``rows * D`` values are a multiple of 16. torch's CPU Gaussian
     sampler fills 16 values at a time from one uniform stream, so such a cut block's rows equal the first rows
-    of the whole block (``tests/test_fst_cbdg.py`` pins it): the bank's values do not depend on ``P``."""
+    of the whole block (``tests/test_engine.py`` pins it): the bank's values do not depend on ``P``."""
     if P <= 0:
         return 0
     full, rest = divmod(P, BANK_BLOCK)
@@ -63,14 +63,14 @@ def bank_rows(P: int, D: int) -> int:
     return full * BANK_BLOCK + rest
 
 
-_POOL: ThreadPoolExecutor | None = None  # draws a round's bank steps side by side (torch.randn frees the GIL)
+# thread pools (by size) that draw a round's bank steps side by side (torch.randn frees the GIL)
+_POOLS: dict[int, ThreadPoolExecutor] = {}
 
 
 def _pool(threads: int) -> ThreadPoolExecutor:
-    global _POOL
-    if _POOL is None or _POOL._max_workers != threads:
-        _POOL = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fedfeat-bank")
-    return _POOL
+    if threads not in _POOLS:
+        _POOLS[threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fedfeat-bank")
+    return _POOLS[threads]
 
 
 @dataclass(frozen=True)
@@ -129,9 +129,7 @@ class FSTCBDG(LinearHead):
     # ------------------------------------------------------------------ local update
     def local_begin(self, ctx: Context, plan: RoundPlan, glob: dict) -> dict:
         m, K = plan.m, ctx.K
-        if (
-            ctx.device.type == "cpu"
-        ):  # one compiled pass over the clients' rows (torch's argmax is ~10x slower)
+        if ctx.device.type == "cpu":  # one compiled pass over the clients' rows (torch's argmax: ~10x slower)
             from fedfeat import kernels
 
             counts = torch.from_numpy(
