@@ -337,3 +337,14 @@ def test_kernel_exp_and_argmax_counts():
     q = np.array([[0.1, 0.5, 0.5], [0.9, 0.0, 0.1], [0.2, 0.2, 0.6], [0.3, 0.3, 0.3], [0, 1, 0]], np.float32)
     counts = kernels.argmax_counts(q, np.array([0, 3]), np.array([3, 2]))
     assert counts.tolist() == [[1, 1, 1], [1, 1, 0]]  # ties go to the first maximum, as torch.argmax
+
+
+def test_kernel_stable_argsort_keeps_ties_in_index_order():
+    """The fused kernels' shuffles and synthetic orders must equal the torch path's stable sorts exactly,
+    also in the (astronomically rare) case of equal keys."""
+    from fedfeat import kernels
+
+    rs = np.random.default_rng(3)
+    for n, hi in ((1, 5), (7, 3), (500, 40), (500, 2**62), (1000, 2)):
+        k = rs.integers(0, hi, n).astype(np.int64)
+        assert np.array_equal(kernels._stable_argsort(k), np.argsort(k, kind="stable")), (n, hi)
