@@ -210,7 +210,7 @@ def run_local(
         )
     m = plan.m
     if kernel == "fused":  # the kernel starts each client from glob itself (not a copy of [m, K, D] here)
-        params = {k: _round_buffer(ctx, k, m, v) for k, v in glob.items()}
+        params = {k: round_buffer(ctx, k, m, v) for k, v in glob.items()}
     else:
         params = {
             k: v.detach().unsqueeze(0).repeat(m, *([1] * v.dim())).contiguous() for k, v in glob.items()
@@ -219,7 +219,7 @@ def run_local(
     opt.reset(params)
     local = method.local_begin(ctx, plan, glob)
     if kernel == "fused":  # whole epochs (epoch_begin's draws included) in the method's compiled kernel
-        opt.state["fused"] = {k: _round_buffer(ctx, "momentum " + k, m, v) for k, v in glob.items()}
+        opt.state["fused"] = {k: round_buffer(ctx, "momentum " + k, m, v) for k, v in glob.items()}
         loss = sum(
             float(method.fused_epoch(ctx, plan, glob, local, params, opt, e).sum())
             for e in range(plan.epochs)
@@ -257,8 +257,8 @@ def run_local(
     return params, {"loss_sum": float(loss_sum), "loss_steps": loss_n}
 
 
-def _round_buffer(ctx: Context, name: str, m: int, like: torch.Tensor) -> torch.Tensor:
-    """An uninitialised ``[m, *like.shape]`` tensor for the fused kernels' per-client state, the same memory
+def round_buffer(ctx: Context, name: str, m: int, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised ``[m, *like.shape]`` tensor for the fused kernels' per-client state (and FST-CBDG's noise bank), the same memory
     from round to round (a fresh one would be new pages, which the OS zeroes on first touch: at 10,000 clients
     ~1 GB a round and most of its time). Valid until the next round's local update."""
     pool = ctx.state.setdefault("round_buffers", {})

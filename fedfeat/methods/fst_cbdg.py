@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from fedfeat import rng
-from fedfeat.engine import Context, RoundPlan, fused_batches, make_plan, masked_mean, plan_rows
+from fedfeat.engine import Context, RoundPlan, fused_batches, make_plan, masked_mean, plan_rows, round_buffer
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import register
 from fedfeat.methods.linear import LinearHead, LinearHeadParams
@@ -280,8 +280,10 @@ class FSTCBDG(LinearHead):
         S = plan.steps
         J = n_k.sum(1)
         P = int(((J + S - 1) // S).max()) if m else 0  # most synthetic samples of any client's step
-        if P:  # the steps' banks, drawn side by side straight into the kernel's array
-            bank = torch.empty(int(S.max()), bank_rows(P, D), D, dtype=torch.float32)
+        if P:  # the steps' banks, drawn side by side straight into the kernel's array (memory kept across rounds)
+            shape = (int(S.max()), bank_rows(P, D), D)
+            flat = round_buffer(ctx, "fst-cbdg bank", math.prod(shape), torch.empty((), dtype=torch.float32))
+            bank = flat[: math.prod(shape)].view(shape)
             list(
                 _pool(ctx.threads).map(
                     lambda s: self._draw(ctx, plan.rnd, epoch, s, bank[s]), range(bank.shape[0])
