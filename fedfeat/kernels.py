@@ -72,7 +72,11 @@ def _prefetch_part(F, nx, part):
     """Part ``part`` of ``_PARTS`` of the cache lines of rows ``nx = (n0, n1, n2, n3)`` of ``F``: the next
     block's samples, fetched a tenth at a time, one part per pass of this block's ``_dots4`` and ``_acc4``, so
     that the next rows arrive while this block computes. (All 256 lines at once would overflow the core's miss
-    buffers, and the hardware prefetcher does not cross from one randomly chosen row to the next.)"""
+    buffers, and the hardware prefetcher does not cross from one randomly chosen row to the next.) ``F`` None:
+    nothing (a block of formed samples, already in L1; measured: prefetching the next noise rows there gains
+    nothing)."""
+    if F is None:
+        return
     L = F.shape[1] // 16  # 64-byte lines of float32 (of float64: every other line, still a help)
     for line in range(part * L // _PARTS, (part + 1) * L // _PARTS):
         _prefetch(F, nx[0], line * 16)
@@ -600,15 +604,12 @@ def _fst_client(
         cs = _synthetic_step(syn_all, S_j, s, cids[j], key_sign, cls, sign)
         if cs > 0:  # this step's synthetic samples: lam * mean CE with their class labels
             scoef = lam * scale / cs
-            bank_s = bank[s]  # (a view: one per step, not per block)
             ssum = 0.0
             for p0 in range(0, cs, 4):
                 n = min(4, cs - p0)
                 _synthetic(X, text, bank, cls, sign, s, p0, n, sig, renorm)
-                nb_ = min(p0 + 4, cs - 1)  # the next block's noise rows, prefetched
-                nx = (nb_, min(nb_ + 1, cs - 1), min(nb_ + 2, cs - 1), min(nb_ + 3, cs - 1))
                 if n == 4:
-                    _dots4(Wj, bj, X, 0, 1, 2, 3, scale, zero, Z, bank_s, nx)
+                    _dots4(Wj, bj, X, 0, 1, 2, 3, scale, zero, Z, None, None)
                 else:
                     for t in range(n):
                         _dots1(Wj, bj, X, t, scale, zero, Z, t)
@@ -619,7 +620,7 @@ def _fst_client(
                         G[t, k] *= scoef
                         gb[k] += G[t, k]
                 if n == 4:
-                    _acc4(gW, G, X, 0, 1, 2, 3, zero, bank_s, nx)
+                    _acc4(gW, G, X, 0, 1, 2, 3, zero, None, None)
                 else:
                     for t in range(n):
                         _acc1(gW, G, X, t, t)
