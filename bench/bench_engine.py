@@ -277,7 +277,10 @@ def main() -> None:
                     help="clients:participation pairs")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds (after one warm-up round)")
     ap.add_argument(
-        "--repeats", type=int, default=3, help="fresh processes per cell, batched and loop interleaved"
+        "--repeats",
+        type=int,
+        default=5,
+        help="fresh processes per cell, batched and loop interleaved (the host varies +-25%% between processes)",
     )
     ap.add_argument("--store", default=str(ROOT / "cache" / "synth-cifar10.zarr"))
     ap.add_argument("--device", default="cpu")
