@@ -6,7 +6,8 @@ loss, ``bmm`` weight gradient, optimizer) moves each sample three times per step
 **once**, straight from the client-major matrix (no gather buffer): per client (the threads take clients from an
 atomic work queue, so a thread the host slows down takes fewer) and per step, it shuffles and batches the client's
 samples itself (the keys and stable order of ``engine.epoch_tables``), computes the logits of four samples at a
-time against two rows of the client's head, their softmax (an inlined, vectorisable exp: numba's ``np.exp`` is a
+time against two rows of the client's head (while the next four samples' rows are prefetched, a tenth per pass:
+the rows are random within the client, so the hardware prefetcher cannot guess them), their softmax (an inlined, vectorisable exp: numba's ``np.exp`` is a
 libm call per element), the per-sample loss gradient, accumulates the weight gradient while the rows are still in
 L1, and applies the SGD step (``torch.optim.SGD`` semantics: weight decay into the gradient, momentum buffer
 ``buf = m buf + d``, zero at the start of a round) before the client's next step.
