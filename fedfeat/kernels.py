@@ -6,9 +6,9 @@ loss, ``bmm`` weight gradient, optimizer) moves each sample three times per step
 **once**, straight from the client-major matrix (no gather buffer): per client (the threads take clients from an
 atomic work queue, so a thread the host slows down takes fewer) and per step, it shuffles and batches the client's
 samples itself (the keys and stable order of ``engine.epoch_tables``), computes the logits of four samples at a
-time against two rows of the client's head (while the next four samples' rows are prefetched, a tenth per pass:
-the rows are random within the client, so the hardware prefetcher cannot guess them), their softmax (an inlined, vectorisable exp: numba's ``np.exp`` is a
-libm call per element), the per-sample loss gradient, accumulates the weight gradient while the rows are still in
+time against two rows of the client's head (while the next four samples' rows are prefetched, a part per pass:
+the rows are random within the client, so the hardware prefetcher cannot guess them), their softmax (an inlined,
+vectorisable exp: numba's ``np.exp`` is a libm call per element), the per-sample loss gradient, accumulates the weight gradient while the rows are still in
 L1, and applies the SGD step (``torch.optim.SGD`` semantics: weight decay into the gradient, momentum buffer
 ``buf = m buf + d``, zero at the start of a round) before the client's next step.
 
@@ -65,25 +65,23 @@ def _prefetch(typingctx, arr, i, j):
     return None
 
 
-_PARTS = 10  # a block's passes: 5 (row pairs) in _dots4, 5 in _acc4 for K = 10
-
-
 @nb.njit(inline="always")
-def _prefetch_part(F, nx, part):
-    """Part ``part`` of ``_PARTS`` of the cache lines of rows ``nx = (n0, n1, n2, n3)`` of ``F``: the next
-    block's samples, fetched a tenth at a time, one part per pass of this block's ``_dots4`` and ``_acc4``, so
-    that the next rows arrive while this block computes. (All 256 lines at once would overflow the core's miss
-    buffers, and the hardware prefetcher does not cross from one randomly chosen row to the next.) ``F`` None:
-    nothing (a block of formed samples, already in L1; measured: prefetching the next noise rows there gains
-    nothing)."""
+def _prefetch_part(F, nx, part, parts):
+    """Part ``part`` of ``parts`` of the 64-byte lines of rows ``nx = (n0, n1, n2, n3)`` of ``F``: the next
+    block's samples, fetched a part per pass of this block's ``_dots4`` and ``_acc4`` (``parts`` = their passes:
+    10 for K = 10), so that the next rows arrive while this block computes. Measured: all the lines at once at the
+    start of a block gain nothing (what overflows the core's miss buffers is dropped), and the hardware
+    prefetcher does not cross from one randomly chosen row to the next. ``F`` None: nothing (a block of formed
+    samples, already in L1; prefetching the next noise rows there gains nothing either)."""
     if F is None:
         return
-    L = F.shape[1] // 16  # 64-byte lines of float32 (of float64: every other line, still a help)
-    for line in range(part * L // _PARTS, (part + 1) * L // _PARTS):
-        _prefetch(F, nx[0], line * 16)
-        _prefetch(F, nx[1], line * 16)
-        _prefetch(F, nx[2], line * 16)
-        _prefetch(F, nx[3], line * 16)
+    per = 64 // F.itemsize  # elements per line
+    L = F.shape[1] // per
+    for line in range(part * L // parts, (part + 1) * L // parts):
+        _prefetch(F, nx[0], line * per)
+        _prefetch(F, nx[1], line * per)
+        _prefetch(F, nx[2], line * per)
+        _prefetch(F, nx[3], line * per)
 
 
 @nb.njit(inline="always")
@@ -99,10 +97,11 @@ def _dots4(Wj, bj, A, r0, r1, r2, r3, scale, zero, Z, F, nx):
     per pass (8 accumulators; each loaded vector feeds 2 or 4 FMAs). An odd last row is paired with itself.
     Samples are rows of a shared array, not views of it: a view costs an atomic reference count on the
     array, and two threads doing that per sample fight over its cache line. Each pass prefetches a part of the
-    next block's rows ``nx`` of ``F`` (``_prefetch_part``: parts 0-4; ``_acc4`` fetches parts 5-9)."""
+    next block's rows ``nx`` of ``F`` (``_prefetch_part``: the first half of the parts; ``_acc4`` fetches the
+    second)."""
     K, D = Wj.shape
     for k in range(0, K, 2):
-        _prefetch_part(F, nx, k // 2)
+        _prefetch_part(F, nx, k // 2, 2 * ((K + 1) // 2))
         k1 = min(k + 1, K - 1)
         a0 = zero  # of the arrays' dtype (a literal 0 would make the accumulators float64)
         a1 = zero
@@ -150,10 +149,11 @@ def _dots1(Wj, bj, A, r0, scale, zero, Z, t):
 @nb.njit(fastmath=True)
 def _acc4(gW, G, A, r0, r1, r2, r3, zero, F, nx):
     """``gW += G[0:4]^T A[[r0, r1, r2, r3]]``: two gradient rows per pass over the four samples (an odd last row
-    is paired with itself, with zero weights for the copy); prefetches parts 5-9 of ``nx`` (``_dots4``)."""
+    is paired with itself, with zero weights for the copy); prefetches the second half of ``nx``'s parts
+    (``_dots4``)."""
     K, D = gW.shape
     for k in range(0, K, 2):
-        _prefetch_part(F, nx, 5 + k // 2)
+        _prefetch_part(F, nx, (K + 1) // 2 + k // 2, 2 * ((K + 1) // 2))
         k1 = min(k + 1, K - 1)
         g0, g1, g2, g3 = G[0, k], G[1, k], G[2, k], G[3, k]
         h0, h1, h2, h3 = G[0, k1], G[1, k1], G[2, k1], G[3, k1]
