@@ -182,10 +182,10 @@ def run_all(args) -> None:
     for spec in args.methods.split(","):
         method, _, kernel = spec.partition(":")
         kernel = kernel or "auto"
-        # compile (and cache on disk) the method's numba kernels in a throwaway process first: otherwise the first
-        # measured process would compile them, and its peak memory would be the compiler's
-        subprocess.run([sys.executable, __file__, "--one", f"{method},10,0.1,batched,{kernel}", "--rounds", "1",
-                        "--store", args.store, "--device", args.device], capture_output=True, check=True)  # fmt: skip
+        if kernel != "torch":  # compile (and cache on disk) the method's numba kernels in a throwaway process
+            # first: otherwise the first measured process would compile them, and its peak memory be the compiler's
+            subprocess.run([sys.executable, __file__, "--one", f"{method},10,0.1,batched,{kernel}", "--rounds", "1",
+                            "--store", args.store, "--device", args.device], capture_output=True, check=True)  # fmt: skip
         for clients, part in configs:
             runs: dict[str, list[dict]] = {"batched": [], "loop": []}
             have_loop = (method, clients, part) in loops

@@ -258,9 +258,9 @@ def run_local(
 
 
 def round_buffer(ctx: Context, name: str, m: int, like: torch.Tensor) -> torch.Tensor:
-    """An uninitialised ``[m, *like.shape]`` tensor for the fused kernels' per-client state (and FST-CBDG's noise bank), the same memory
-    from round to round (a fresh one would be new pages, which the OS zeroes on first touch: at 10,000 clients
-    ~1 GB a round and most of its time). Valid until the next round's local update."""
+    """An uninitialised ``[m, *like.shape]`` tensor for the fused kernels' per-client state (and FST-CBDG's noise
+    bank), the same memory from round to round (a fresh one would be new pages, which the OS zeroes on first
+    touch: at 10,000 clients ~1 GB a round and most of its time). Valid until the next round's local update."""
     pool = ctx.state.setdefault("round_buffers", {})
     t = pool.get(name)
     if t is None or t.shape[0] < m or t.shape[1:] != like.shape or t.dtype != like.dtype:

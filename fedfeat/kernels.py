@@ -444,7 +444,7 @@ def _linear_client(
                 nx = _next_rows(prow, i0 + 4)  # the next block's rows (into the next step's), prefetched
                 _dots4(Wj, bj, feats, x0, x1, x2, x3, scale, zero, Z, feats, nx)
                 if mode == NTD:
-                    _dots4(Wg, bg, feats, x0, x1, x2, x3, scale, zero, Zg, feats, nx)
+                    _dots4(Wg, bg, feats, x0, x1, x2, x3, scale, zero, Zg, None, None)  # (nx: fetched above)
                 lsum += _grads(Z, Zg, G, gb, lse, labels, prow, i0, q, mode, scale, inv, tau, beta)
                 _acc4(gW, G, feats, x0, x1, x2, x3, zero, feats, nx)
             else:
