@@ -107,6 +107,48 @@ def test_fused_kernel_hand_step():
     assert loss[0, 0] == pytest.approx(math.log(2), abs=1e-6)
 
 
+@pytest.mark.parametrize("K", [3, 5])
+def test_fused_kernel_equals_numpy_sgd_for_every_block_shape(K):
+    """The fused kernel against a plain numpy SGD in float64, on clients whose steps end in blocks of 1, 2 and 3
+    samples (batch 6 = a block of four + a pair; last batches of 1..5) and an odd number of classes (the kernels'
+    paired rows then pair the last row with itself), D = 13 (not a multiple of the vector width)."""
+    from fedfeat import kernels
+
+    rs = np.random.default_rng(7)
+    D, B, lr, mom, wd, scale = 13, 6, 0.3, 0.9, 1e-3, 2.0
+    sizes = np.array([1, 2, 3, 5, 6, 7, 9, 11, 16])
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    feats = rs.standard_normal((int(sizes.sum()), D))
+    labels = rs.integers(0, K, feats.shape[0])
+    Wg, bg = rs.standard_normal((K, D)) * 0.3, rs.standard_normal(K) * 0.3
+    W, b = np.zeros((len(sizes), K, D)), np.zeros((len(sizes), K))
+    loss = np.zeros((3, len(sizes)))
+    key = 987654321
+    kernels.linear_epoch(
+        feats, labels, starts, sizes, B, key, W, b, np.zeros_like(W), np.zeros_like(b), Wg, bg, lr=lr,
+        momentum=mom, weight_decay=wd, logit_scale=scale, loss_out=loss, threads=2, init=True, one_epoch=True,
+    )  # fmt: skip
+    for j, (st, n) in enumerate(zip(starts, sizes)):
+        order = kernels._client_rows(
+            np.uint64(key), st, n
+        )  # the kernel's shuffle (tested against the engine's)
+        w, c, mw, mc = Wg.copy(), bg.copy(), np.zeros_like(Wg), np.zeros_like(bg)
+        for s in range(-(-n // B)):
+            rows = order[s * B : (s + 1) * B]
+            x, y = feats[rows], labels[rows]
+            z = scale * (x @ w.T + c)
+            p = np.exp(z - z.max(1, keepdims=True))
+            p /= p.sum(1, keepdims=True)
+            ref_loss = -np.log(p[np.arange(len(y)), y]).mean()
+            p[np.arange(len(y)), y] -= 1
+            g = scale * p / len(y)
+            mw, mc = mom * mw + (g.T @ x + wd * w), mom * mc + (g.sum(0) + wd * c)
+            w, c = w - lr * mw, c - lr * mc
+            assert loss[s, j] == pytest.approx(ref_loss, rel=1e-12)
+        np.testing.assert_allclose(W[j], w, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(b[j], c, rtol=0, atol=1e-12)
+
+
 def test_kernel_choice(small):
     from fedfeat.engine import resolve_kernel
     from fedfeat.errors import FedfeatError
