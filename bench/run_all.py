@@ -21,7 +21,8 @@ HEADER = """# Benchmarks
 
 Figures measured with the project's own bench commands (`make bench`, or the command printed under each table),
 on the machine named in each section. Speed is measured here, never asserted by a test. Timings on shared
-2-core machines are noisy (up to 2x): each figure is a median, and ratios are taken within one run.
+2-core machines are noisy (up to 2x): each figure is a median, and ratios are taken within one run (the engine
+table also divides its best round by the floor, and the median round by the floor at the median ceilings).
 """
 
 
