@@ -737,9 +737,9 @@ def _fst_epoch(
             j = _next(nxt)
 
 
-@nb.njit(parallel=True, cache=True)
+@nb.njit(cache=True)
 def _argmax_counts(q, starts, sizes, out):
-    for j in nb.prange(sizes.shape[0]):
+    for j in range(sizes.shape[0]):
         for r in range(starts[j], starts[j] + sizes[j]):
             best = 0
             top = q[r, 0]
@@ -752,7 +752,8 @@ def _argmax_counts(q, starts, sizes, out):
 
 def argmax_counts(q, starts, sizes) -> np.ndarray:
     """``out[j, k]`` = how many of rows ``starts[j] .. starts[j] + sizes[j] - 1`` of ``q [N, K]`` have their
-    (first) maximum at ``k`` (int64 ``[m, K]``): a client's hard pseudo-label counts."""
+    (first) maximum at ``k`` (int64 ``[m, K]``): a client's hard pseudo-label counts. One thread: the scan
+    takes ~0.5 ms for 50,000 x 10, and waking numba's thread pool for it cost more (1.5 ms measured in a round)."""
     out = np.zeros((sizes.shape[0], q.shape[1]), np.int64)
     _argmax_counts(q, starts, sizes, out)
     return out
