@@ -15,7 +15,8 @@ measured copy bandwidth, plus the round's FLOPs (forward and weight gradient of 
 4 * samples * D * K, synthetic samples of FST-CBDG included) divided by the measured float32 matmul rate (a 2048 x 2048 matmul: the machine's peak). A second floor uses the matmul rate
 measured on the round's own thin GEMMs (K = 10 outputs per client), which BLAS cannot run at the square peak.
 The ceilings are measured before the runs and after each cell, and the floor uses the best seen of each: a
-neighbour on a shared host can drag one measurement down, which would make the floor lenient.
+neighbour on a shared host can drag one measurement down, which would make the floor lenient. The table divides
+the median round by that floor, the best round by it, and the median round by the floor at the median ceilings.
 """
 
 from __future__ import annotations
@@ -207,29 +208,25 @@ def run_all(args) -> None:
             runs["loop"] = loops.setdefault((method, clients, part), runs["loop"])
             b = dict(runs["batched"][0])
             b["sec_per_round"] = statistics.median(r["sec_per_round"] for r in runs["batched"])
-            b["sec_best"] = min(
-                r["sec_min"] for r in runs["batched"]
-            )  # the best timed round of all processes
+            # the best timed round of all the cell's batched processes
+            b["sec_best"] = min(r["sec_min"] for r in runs["batched"])
             b["peak_rss_mib"] = max(r["peak_rss_mib"] for r in runs["batched"])
             loop_sec = statistics.median(r["sec_per_round"] for r in runs["loop"])
             rows.append({**b, "loop_sec": loop_sec, "loop_rss": max(r["peak_rss_mib"] for r in runs["loop"])})
             seen.append(ceilings(args.device))
     ceil = {k: max(c[k] for c in seen) for k in seen[0]}
     ceil["measurements"] = len(seen)
-    med = {
-        k: statistics.median(c[k] for c in seen) for k in seen[0]
-    }  # typical ceilings, for a like-for-like view
-    ceil["median_copy"], ceil["median_matmul"] = med["copy_bytes_per_s"], med["matmul_flops_per_s"]
+    med = {k: statistics.median(c[k] for c in seen) for k in seen[0]}  # typical ceilings: like-for-like view
     for r in rows:
         r["floor_bytes"] = r["bytes"] / ceil["copy_bytes_per_s"]
         r["floor_flops"] = r["flops"] / ceil["matmul_flops_per_s"]
         r["floor"] = r["floor_bytes"] + r["floor_flops"]
         r["floor_median"] = r["bytes"] / med["copy_bytes_per_s"] + r["flops"] / med["matmul_flops_per_s"]
         r["floor_thin"] = r["floor_bytes"] + r["flops"] / ceil["thin_matmul_flops_per_s"]
-    write_md(args, ceil, rows)
+    write_md(args, ceil, med, rows)
 
 
-def write_md(args, ceil: dict, rows: list[dict]) -> None:
+def write_md(args, ceil: dict, med: dict, rows: list[dict]) -> None:
     dev = "GPU" if args.device.startswith("cuda") else "CPU"
     lines = [
         f"## Engine: seconds per round, batched vs loop ({dev})",
@@ -268,7 +265,7 @@ def write_md(args, ceil: dict, rows: list[dict]) -> None:
         f"/ floor` divides the best of the cell's {args.repeats} x {args.rounds} timed batched rounds by it, like for "
         "like (a neighbour on the host only ever slows a round down and drags a ceiling down); `batched / "
         "median-ceilings floor` divides the median round by the floor at the median ceilings (copy "
-        f"{ceil['median_copy'] / 1e9:.1f} GB/s, matmul {ceil['median_matmul'] / 1e9:.0f} GFLOP/s), typical against "
+        f"{med['copy_bytes_per_s'] / 1e9:.1f} GB/s, matmul {med['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s), typical against "
         "typical. `kernel` is what `--kernel auto` (the default) chose, or the kernel forced with "
         "`method:kernel`. `fused` (a compiled CPU kernel per local epoch, `fedfeat/kernels.py`) reads each sample "
         "once per step, as the floor assumes; what separates it from the strict floor is arithmetic rate: its "

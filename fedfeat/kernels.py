@@ -5,10 +5,11 @@ loss, ``bmm`` weight gradient, optimizer) moves each sample three times per step
 (K = 10 outputs per client) at a fraction of the machine's matmul rate. This kernel reads each sample's features
 **once**, straight from the client-major matrix (no gather buffer): per client (the threads take clients from an
 atomic work queue, so a thread the host slows down takes fewer) and per step, it shuffles and batches the client's
-samples itself (the keys and stable order of ``engine.epoch_tables``), computes the logits of four samples at a
-time against two rows of the client's head (while the next four samples' rows are prefetched, a part per pass:
-the rows are random within the client, so the hardware prefetcher cannot guess them), their softmax (an inlined,
-vectorisable exp: numba's ``np.exp`` is a libm call per element), the per-sample loss gradient, accumulates the weight gradient while the rows are still in
+samples itself (the keys and stable order of ``engine.epoch_tables``, by a bucket sort), computes the logits of
+four samples at a time against two rows of the client's head (while the next four samples' rows are prefetched, a
+part per pass: the rows are random within the client, so the hardware prefetcher cannot guess them; a step's last
+pair: two samples against four rows), their softmax (an inlined, vectorisable exp: numba's ``np.exp`` is a libm
+call per element), the per-sample loss gradient, accumulates the weight gradient while the rows are still in
 L1, and applies the SGD step (``torch.optim.SGD`` semantics: weight decay into the gradient, momentum buffer
 ``buf = m buf + d``, zero at the start of a round) before the client's next step.
 
@@ -421,15 +422,16 @@ def _stable_argsort(k):
     while top < 64 and (span >> np.uint64(top)) > np.uint64(0):
         top += 1
     shift = np.uint64(max(0, top - bits))
+    bucket = np.empty(n, np.int64)
     count = np.zeros((1 << bits) + 2, np.int64)
     for i in range(n):
-        count[np.int64((np.uint64(k[i]) - np.uint64(lo)) >> shift) + 1] += 1
+        bucket[i] = np.int64((np.uint64(k[i]) - np.uint64(lo)) >> shift)
+        count[bucket[i] + 1] += 1
     for b in range(1, count.shape[0]):
         count[b] += count[b - 1]
     for i in range(n):  # stable: equal buckets keep index order
-        b = np.int64((np.uint64(k[i]) - np.uint64(lo)) >> shift)
-        o[count[b]] = i
-        count[b] += 1
+        o[count[bucket[i]]] = i
+        count[bucket[i]] += 1
     for i in range(1, n):  # strict comparison: equal keys keep index order
         v = o[i]
         kv = k[v]
