@@ -12,16 +12,22 @@ test evaluation, the same code for both engines, is left out).
 The floor of a round is what this machine cannot beat: the bytes the round must move (each participating
 sample's float32 features read once per local epoch, each client's head read and written once) divided by the
 measured copy bandwidth, plus the round's FLOPs (forward and weight gradient of the linear head,
-4 * samples * D * K, synthetic samples of FST-CBDG included) divided by the measured float32 matmul rate (a 2048 x 2048 matmul: the machine's peak). A second floor uses the matmul rate
-measured on the round's own thin GEMMs (K = 10 outputs per client), which BLAS cannot run at the square peak.
-The ceilings are measured before the runs and after each cell, and the floor uses the best seen of each: a
-neighbour on a shared host can drag one measurement down, which would make the floor lenient. The table divides
-the median round by that floor, the best round by it, and the median round by the floor at the median ceilings.
+4 * samples * D * K, synthetic samples of FST-CBDG included) divided by the measured float32 matmul rate (a
+2048 x 2048 matmul: the machine's peak). A second floor uses the matmul rate measured on the round's own thin
+GEMMs (K = 10 outputs per client), which BLAS cannot run at the square peak.
+The paired floor (the first ratio column) is the floor of the same round: each batched process measures the
+copy bandwidth and the matmul rate again just before each timed round, and each round is divided by its own
+floor (its own sample counts at those ceilings); the column is the median over the cell's rounds. A neighbour on
+this shared host slows a round and drags the ceilings down alike, so pairing them in time measures the engine,
+not the host. The ceilings are also measured before the runs and after each cell; the other columns use those:
+the median round against the best seen of each (the strictest reading), the best round against it, and the
+median round against the floor at the median ceilings.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import platform
@@ -68,20 +74,26 @@ def best_seconds(fn, dev: torch.device, tries: int) -> float:
     return best
 
 
-def peak_matmul_rate(device: str) -> float:
-    """Float32 FLOP/s of a square matmul (2048^3 on CPU, 8192^3 on GPU), best of 5: the machine's peak."""
+def peak_matmul_rate(device: str, tries: int = 5) -> float:
+    """Float32 FLOP/s of a square matmul (2048^3 on CPU, 8192^3 on GPU), best of ``tries``: the machine's peak."""
     dev = torch.device(device)
     n = 2048 if dev.type == "cpu" else 8192
     a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
-    return 2 * n**3 / best_seconds(lambda: torch.mm(a, b), dev, 5)
+    return 2 * n**3 / best_seconds(lambda: torch.mm(a, b), dev, tries)
+
+
+def copy_rate(device: str, tries: int = 7) -> float:
+    """Copy bandwidth (bytes read + written per second) of a 64 MiB tensor (past any cache), best of ``tries``."""
+    dev = torch.device(device)
+    src = torch.randn(64 << 20 >> 2, device=dev)  # 64 MiB
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / best_seconds(lambda: dst.copy_(src), dev, tries)
 
 
 def ceilings(device: str) -> dict:
     """Measured copy bandwidth (bytes/s), peak float32 matmul rate and the thin-GEMM rate (FLOP/s)."""
     dev = torch.device(device)
-    src = torch.randn(64 << 20 >> 2, device=dev)  # 64 MiB
-    dst = torch.empty_like(src)
-    bw = 2 * src.numel() * 4 / best_seconds(lambda: dst.copy_(src), dev, 7)  # read + write
+    bw = copy_rate(device)
     # the round's own GEMM shapes: per-client [50, 1024] x [1024, 10] (forward) and [10, 50] x [50, 1024]
     # (weight gradient), 100 clients batched; thin GEMMs (N = K = 10) cannot reach the square-matmul peak
     x = torch.randn(100, 50, 1024, device=dev)
@@ -111,6 +123,20 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def reset_peak_rss() -> None:
+    """Start ``VmHWM`` again from the current resident size (Linux ``clear_refs`` 5; nothing elsewhere), after
+    handing the heap that freed buffers left behind back to the system (glibc ``malloc_trim``)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def one(
     method: str, clients: int, participation: float, engine: str, rounds: int, store: str, device: str,
     kernel: str = "auto",
@@ -136,9 +162,30 @@ def one(
         return local
 
     m.local_begin = counting_local_begin
+    # the paired floor: this process measures the ceilings again just before each timed round's training (after
+    # the previous round's evaluation), so the round and its floor see the same host; the measurement's own
+    # buffers are kept out of the peak memory (the peak so far is read first, then VmHWM starts again)
+    paired: dict[int, tuple[float, float]] = {}  # round -> (copy bytes/s, matmul FLOP/s) just before it
+    peak = [0.0]
+
+    threads = torch.get_num_threads()
+
+    def before_next_round(row: dict) -> None:
+        nxt = row["round"] + 1
+        if engine == "batched" and 2 <= nxt <= rounds + 1:
+            peak[0] = max(peak[0], peak_rss_mib())
+            inner = torch.get_num_threads()  # beside the fused kernels the engine runs torch on one thread
+            torch.set_num_threads(threads)  # the ceilings are the whole machine's
+            try:
+                paired[nxt] = (copy_rate(device, 5), peak_matmul_rate(device, 3))
+            finally:
+                torch.set_num_threads(inner)
+            time.sleep(0.2)  # torch's OpenMP workers spin for a while after their last op: not into the round
+            reset_peak_rss()
+
     _, metrics = run_federated(
         m, data, rounds=rounds + 1, participation=participation, seed=0, engine=engine, device=device,
-        kernel=kernel,
+        kernel=kernel, on_round=before_next_round,
     )  # fmt: skip
     # skip round 0 (evaluation only) and the warm-up round 1; time the training part of a round (local updates,
     # aggregation, server step): the test evaluation after it is the same code for both engines
@@ -149,6 +196,16 @@ def one(
     per_round_samples = sum(c[0] for c in timed) / len(timed)
     per_round_syn = sum(c[1] for c in timed) / len(timed)
     m_clients = max(1, int(participation * clients))
+    head_bytes = m_clients * 2 * (K * D + K) * 4  # each sampled client's head read and written once
+
+    def floor(samples: float, syn: float, bw: float, rate: float) -> float:
+        return (samples * D * 4 + head_bytes) / bw + 4 * (samples + syn) * D * K / rate
+
+    paired_ratios = [
+        metrics[r]["train_seconds"] / floor(*per_round[r], *paired[r])
+        for r in range(2, rounds + 2)
+        if r in paired
+    ]
     from fedfeat.engine import resolve_kernel
 
     return {
@@ -159,8 +216,9 @@ def one(
         "engine": engine,
         "sec_per_round": statistics.median(secs),
         "sec_min": min(secs),
-        "peak_rss_mib": peak_rss_mib(),
-        "bytes": per_round_samples * D * 4 + m_clients * 2 * (K * D + K) * 4,
+        "peak_rss_mib": max(peak[0], peak_rss_mib()),
+        "paired_ratios": paired_ratios,
+        "bytes": per_round_samples * D * 4 + head_bytes,
         "flops": 4 * (per_round_samples + per_round_syn) * D * K,
         "sampled": m_clients,
     }
@@ -211,6 +269,8 @@ def run_all(args) -> None:
             # the best timed round of all the cell's batched processes
             b["sec_best"] = min(r["sec_min"] for r in runs["batched"])
             b["peak_rss_mib"] = max(r["peak_rss_mib"] for r in runs["batched"])
+            # each timed round against the floor at the ceilings measured just before it, in its own process
+            b["paired"] = statistics.median(x for r in runs["batched"] for x in r["paired_ratios"])
             loop_sec = statistics.median(r["sec_per_round"] for r in runs["loop"])
             rows.append({**b, "loop_sec": loop_sec, "loop_rss": max(r["peak_rss_mib"] for r in runs["loop"])})
             seen.append(ceilings(args.device))
@@ -244,15 +304,15 @@ def write_md(args, ceil: dict, med: dict, rows: list[dict]) -> None:
         "clients: one process, one timed round.",
         "",
         "| method | kernel | clients x participation | sampled | batched s/round | loop s/round | loop / batched | "
-        "floor s (bytes + FLOPs) | batched / floor | best batched / floor | batched / median-ceilings floor | "
-        "batched / thin-GEMM floor | peak RSS batched / loop (MiB) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "floor s (bytes + FLOPs) | batched / paired floor | batched / floor | best batched / floor | "
+        "batched / median-ceilings floor | batched / thin-GEMM floor | peak RSS batched / loop (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['method']} | {r['kernel']} | {r['clients']:,} x {r['participation'] * 100:g}% | {r['sampled']:,} | "
             f"{r['sec_per_round']:.4f} | {r['loop_sec']:.4f} | **{r['loop_sec'] / r['sec_per_round']:.1f}x** | "
-            f"{r['floor']:.4f} ({r['floor_bytes']:.4f} + {r['floor_flops']:.4f}) | "
+            f"{r['floor']:.4f} ({r['floor_bytes']:.4f} + {r['floor_flops']:.4f}) | **{r['paired']:.2f}x** | "
             f"{r['sec_per_round'] / r['floor']:.2f}x | {r['sec_best'] / r['floor']:.2f}x | "
             f"{r['sec_per_round'] / r['floor_median']:.2f}x | "
             f"{r['sec_per_round'] / r['floor_thin']:.1f}x | "
@@ -260,7 +320,12 @@ def write_md(args, ceil: dict, med: dict, rows: list[dict]) -> None:
         )
     lines += [
         "",
-        "Reading the columns: the floor uses the best ceilings; `batched / floor` divides the median round by it "
+        "Reading the columns: `batched / paired floor` is the distance to the floor of the same round: every timed "
+        "batched round divided by its own floor (its own samples, synthetic ones included, priced at the copy "
+        "bandwidth and matmul rate measured in the same process just before that round, best of 5 and 3 tries), "
+        f"the median over the cell's {args.repeats} x {args.rounds} rounds; the round and its floor see the same "
+        "host. The `floor s` column and the three readings after the paired one use the ceilings of the whole run: "
+        "the floor at the best of them; `batched / floor` divides the median round by it "
         "(the strictest reading: a typical round on the shared host against the host at its best); `best batched "
         f"/ floor` divides the best of the cell's {args.repeats} x {args.rounds} timed batched rounds by it, like for "
         "like (a neighbour on the host only ever slows a round down and drags a ceiling down); `batched / "
