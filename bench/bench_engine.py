@@ -15,19 +15,18 @@ measured copy bandwidth, plus the round's FLOPs (forward and weight gradient of 
 4 * samples * D * K, synthetic samples of FST-CBDG included) divided by the measured float32 matmul rate (a
 2048 x 2048 matmul: the machine's peak). A second floor uses the matmul rate measured on the round's own thin
 GEMMs (K = 10 outputs per client), which BLAS cannot run at the square peak.
-The paired floor (the first ratio column) is the floor of the same round: each batched process measures the
-copy bandwidth and the matmul rate again just before each timed round, and each round is divided by its own
-floor (its own sample counts at those ceilings); the column is the median over the cell's rounds. A neighbour on
-this shared host slows a round and drags the ceilings down alike, so pairing them in time measures the engine,
-not the host. The ceilings are also measured before the runs and after each cell; the other columns use those:
-the median round against the best seen of each (the strictest reading), the best round against it, and the
-median round against the floor at the median ceilings.
+The paired floor (the first ratio column) is the floor of the same round: in each batched process a helper
+process measures the copy bandwidth and the matmul rate again right after each timed round, and each round is
+divided by its own floor (its own sample counts at those ceilings); the column is the median over the cell's
+rounds. A neighbour on this shared host slows a round and drags the ceilings down alike, so pairing them in time
+measures the engine, not the host. The ceilings are also measured before the runs and after each cell; the
+other columns use those: the median round against the best seen of each (the strictest reading), the best round
+against it, and the median round against the floor at the median ceilings.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import platform
@@ -123,18 +122,12 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def reset_peak_rss() -> None:
-    """Start ``VmHWM`` again from the current resident size (Linux ``clear_refs`` 5; nothing elsewhere), after
-    handing the heap that freed buffers left behind back to the system (glibc ``malloc_trim``)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+def probe_server(device: str) -> None:
+    """``--probe``: measure the copy bandwidth and the matmul rate (best of 5 and 3 tries) for each line read from
+    stdin, one JSON pair a line on stdout. A process of its own beside a benchmarked run: its buffers and torch's
+    threads are not the run's, and it waits on stdin (no CPU) while the run's rounds are timed."""
+    for _ in sys.stdin:
+        print(json.dumps([copy_rate(device, 5), peak_matmul_rate(device, 3)]), flush=True)
 
 
 def one(
@@ -162,31 +155,37 @@ def one(
         return local
 
     m.local_begin = counting_local_begin
-    # the paired floor: this process measures the ceilings again just before each timed round's training (after
-    # the previous round's evaluation), so the round and its floor see the same host; the measurement's own
-    # buffers are kept out of the peak memory (the peak so far is read first, then VmHWM starts again)
-    paired: dict[int, tuple[float, float]] = {}  # round -> (copy bytes/s, matmul FLOP/s) just before it
-    peak = [0.0]
+    # the paired floor: a helper process measures the ceilings again right after each timed round's training and
+    # evaluation, so that the round and its floor see the same host; its buffers and torch threads stay out of
+    # this process (its peak memory, its thread settings). It measures once after the warm-up round too, and each
+    # measurement is followed by a pause, so that every timed round starts alike (after the helper's full-load
+    # matmul, the cores' clocks and its OpenMP workers settle; OMP_WAIT_POLICY=PASSIVE: they sleep at once)
+    paired: dict[int, list[float]] = {}  # round -> [copy bytes/s, matmul FLOP/s] right after it
+    probe = None
+    if engine == "batched":
+        probe = subprocess.Popen([sys.executable, __file__, "--probe", "--device", device], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})  # fmt: skip
 
-    threads = torch.get_num_threads()
+    def after_round(row: dict) -> None:
+        r = row["round"]
+        if probe is not None and r >= 1:
+            probe.stdin.write("\n")
+            probe.stdin.flush()
+            ceil = json.loads(probe.stdout.readline())
+            if r >= 2:
+                paired[r] = ceil
+            if r <= rounds:  # another round follows
+                time.sleep(0.5)
 
-    def before_next_round(row: dict) -> None:
-        nxt = row["round"] + 1
-        if engine == "batched" and 2 <= nxt <= rounds + 1:
-            peak[0] = max(peak[0], peak_rss_mib())
-            inner = torch.get_num_threads()  # beside the fused kernels the engine runs torch on one thread
-            torch.set_num_threads(threads)  # the ceilings are the whole machine's
-            try:
-                paired[nxt] = (copy_rate(device, 5), peak_matmul_rate(device, 3))
-            finally:
-                torch.set_num_threads(inner)
-            time.sleep(0.2)  # torch's OpenMP workers spin for a while after their last op: not into the round
-            reset_peak_rss()
-
-    _, metrics = run_federated(
-        m, data, rounds=rounds + 1, participation=participation, seed=0, engine=engine, device=device,
-        kernel=kernel, on_round=before_next_round,
-    )  # fmt: skip
+    try:
+        _, metrics = run_federated(
+            m, data, rounds=rounds + 1, participation=participation, seed=0, engine=engine, device=device,
+            kernel=kernel, on_round=after_round,
+        )  # fmt: skip
+    finally:
+        if probe is not None:
+            probe.stdin.close()
+            probe.wait()
     # skip round 0 (evaluation only) and the warm-up round 1; time the training part of a round (local updates,
     # aggregation, server step): the test evaluation after it is the same code for both engines
     secs = [r["train_seconds"] for r in metrics[2:]]
@@ -216,7 +215,7 @@ def one(
         "engine": engine,
         "sec_per_round": statistics.median(secs),
         "sec_min": min(secs),
-        "peak_rss_mib": max(peak[0], peak_rss_mib()),
+        "peak_rss_mib": peak_rss_mib(),
         "paired_ratios": paired_ratios,
         "bytes": per_round_samples * D * 4 + head_bytes,
         "flops": 4 * (per_round_samples + per_round_syn) * D * K,
@@ -269,7 +268,7 @@ def run_all(args) -> None:
             # the best timed round of all the cell's batched processes
             b["sec_best"] = min(r["sec_min"] for r in runs["batched"])
             b["peak_rss_mib"] = max(r["peak_rss_mib"] for r in runs["batched"])
-            # each timed round against the floor at the ceilings measured just before it, in its own process
+            # each timed round against the floor at the ceilings measured right after it, beside its own process
             b["paired"] = statistics.median(x for r in runs["batched"] for x in r["paired_ratios"])
             loop_sec = statistics.median(r["sec_per_round"] for r in runs["loop"])
             rows.append({**b, "loop_sec": loop_sec, "loop_rss": max(r["peak_rss_mib"] for r in runs["loop"])})
@@ -322,7 +321,7 @@ def write_md(args, ceil: dict, med: dict, rows: list[dict]) -> None:
         "",
         "Reading the columns: `batched / paired floor` is the distance to the floor of the same round: every timed "
         "batched round divided by its own floor (its own samples, synthetic ones included, priced at the copy "
-        "bandwidth and matmul rate measured in the same process just before that round, best of 5 and 3 tries), "
+        "bandwidth and matmul rate measured by a helper process right after that round, best of 5 and 3 tries), "
         f"the median over the cell's {args.repeats} x {args.rounds} rounds; the round and its floor see the same "
         "host. The `floor s` column and the three readings after the paired one use the ceilings of the whole run: "
         "the floor at the best of them; `batched / floor` divides the median round by it "
@@ -368,8 +367,11 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "engine.md"))
     ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.one:
+    if args.probe:
+        probe_server(args.device)
+    elif args.one:
         method, clients, part, engine, kernel = args.one.split(",")
         print(json.dumps(one(method, int(clients), float(part), engine, args.rounds, args.store, args.device,
                              kernel)))  # fmt: skip
