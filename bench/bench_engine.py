@@ -12,16 +12,12 @@ test evaluation, the same code for both engines, is left out).
 The floor of a round is what this machine cannot beat: the bytes the round must move (each participating
 sample's float32 features read once per local epoch, each client's head read and written once) divided by the
 measured copy bandwidth, plus the round's FLOPs (forward and weight gradient of the linear head,
-4 * samples * D * K, synthetic samples of FST-CBDG included) divided by the measured float32 matmul rate (a
-2048 x 2048 matmul: the machine's peak). A second floor uses the matmul rate measured on the round's own thin
-GEMMs (K = 10 outputs per client), which BLAS cannot run at the square peak.
-The paired floor (the first ratio column) is the floor of the same round: in each batched process a helper
-process measures the copy bandwidth and the matmul rate again right after each timed round, and each round is
-divided by its own floor (its own sample counts at those ceilings); the column is the median over the cell's
-rounds. A neighbour on this shared host slows a round and drags the ceilings down alike, so pairing them in time
-measures the engine, not the host. The ceilings are also measured before the runs and after each cell; the
-other columns use those: the median round against the best seen of each (the strictest reading), the best round
-against it, and the median round against the floor at the median ceilings.
+4 * samples * D * K, synthetic samples of FST-CBDG included) divided by the measured float32 matmul rate (a 2048 x 2048 matmul: the machine's peak). A second floor uses the matmul rate
+measured on the round's own thin GEMMs (K = 10 outputs per client), which BLAS cannot run at the square peak.
+The ceilings are measured before the runs and after each cell, and the floor uses the best seen of each: a
+neighbour on a shared host can drag one measurement down, which would make the floor lenient. The table divides
+the best round by that floor (best against best: the reading quoted), the median round by the floor at the median
+ceilings (typical against typical), and the median round by the best-ceilings floor (the strictest mix).
 """
 
 from __future__ import annotations
@@ -73,26 +69,20 @@ def best_seconds(fn, dev: torch.device, tries: int) -> float:
     return best
 
 
-def peak_matmul_rate(device: str, tries: int = 5) -> float:
-    """Float32 FLOP/s of a square matmul (2048^3 on CPU, 8192^3 on GPU), best of ``tries``: the machine's peak."""
+def peak_matmul_rate(device: str) -> float:
+    """Float32 FLOP/s of a square matmul (2048^3 on CPU, 8192^3 on GPU), best of 5: the machine's peak."""
     dev = torch.device(device)
     n = 2048 if dev.type == "cpu" else 8192
     a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
-    return 2 * n**3 / best_seconds(lambda: torch.mm(a, b), dev, tries)
-
-
-def copy_rate(device: str, tries: int = 7) -> float:
-    """Copy bandwidth (bytes read + written per second) of a 64 MiB tensor (past any cache), best of ``tries``."""
-    dev = torch.device(device)
-    src = torch.randn(64 << 20 >> 2, device=dev)  # 64 MiB
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / best_seconds(lambda: dst.copy_(src), dev, tries)
+    return 2 * n**3 / best_seconds(lambda: torch.mm(a, b), dev, 5)
 
 
 def ceilings(device: str) -> dict:
     """Measured copy bandwidth (bytes/s), peak float32 matmul rate and the thin-GEMM rate (FLOP/s)."""
     dev = torch.device(device)
-    bw = copy_rate(device)
+    src = torch.randn(64 << 20 >> 2, device=dev)  # 64 MiB
+    dst = torch.empty_like(src)
+    bw = 2 * src.numel() * 4 / best_seconds(lambda: dst.copy_(src), dev, 7)  # read + write
     # the round's own GEMM shapes: per-client [50, 1024] x [1024, 10] (forward) and [10, 50] x [50, 1024]
     # (weight gradient), 100 clients batched; thin GEMMs (N = K = 10) cannot reach the square-matmul peak
     x = torch.randn(100, 50, 1024, device=dev)
@@ -122,14 +112,6 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def probe_server(device: str) -> None:
-    """``--probe``: measure the copy bandwidth and the matmul rate (best of 5 and 3 tries) for each line read from
-    stdin, one JSON pair a line on stdout. A process of its own beside a benchmarked run: its buffers and torch's
-    threads are not the run's, and it waits on stdin (no CPU) while the run's rounds are timed."""
-    for _ in sys.stdin:
-        print(json.dumps([copy_rate(device, 5), peak_matmul_rate(device, 3)]), flush=True)
-
-
 def one(
     method: str, clients: int, participation: float, engine: str, rounds: int, store: str, device: str,
     kernel: str = "auto",
@@ -155,37 +137,10 @@ def one(
         return local
 
     m.local_begin = counting_local_begin
-    # the paired floor: a helper process measures the ceilings again right after each timed round's training and
-    # evaluation, so that the round and its floor see the same host; its buffers and torch threads stay out of
-    # this process (its peak memory, its thread settings). It measures once after the warm-up round too, and each
-    # measurement is followed by a pause, so that every timed round starts alike (after the helper's full-load
-    # matmul, the cores' clocks and its OpenMP workers settle; OMP_WAIT_POLICY=PASSIVE: they sleep at once)
-    paired: dict[int, list[float]] = {}  # round -> [copy bytes/s, matmul FLOP/s] right after it
-    probe = None
-    if engine == "batched":
-        probe = subprocess.Popen([sys.executable, __file__, "--probe", "--device", device], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})  # fmt: skip
-
-    def after_round(row: dict) -> None:
-        r = row["round"]
-        if probe is not None and r >= 1:
-            probe.stdin.write("\n")
-            probe.stdin.flush()
-            ceil = json.loads(probe.stdout.readline())
-            if r >= 2:
-                paired[r] = ceil
-            if r <= rounds:  # another round follows
-                time.sleep(0.5)
-
-    try:
-        _, metrics = run_federated(
-            m, data, rounds=rounds + 1, participation=participation, seed=0, engine=engine, device=device,
-            kernel=kernel, on_round=after_round,
-        )  # fmt: skip
-    finally:
-        if probe is not None:
-            probe.stdin.close()
-            probe.wait()
+    _, metrics = run_federated(
+        m, data, rounds=rounds + 1, participation=participation, seed=0, engine=engine, device=device,
+        kernel=kernel,
+    )  # fmt: skip
     # skip round 0 (evaluation only) and the warm-up round 1; time the training part of a round (local updates,
     # aggregation, server step): the test evaluation after it is the same code for both engines
     secs = [r["train_seconds"] for r in metrics[2:]]
@@ -195,16 +150,6 @@ def one(
     per_round_samples = sum(c[0] for c in timed) / len(timed)
     per_round_syn = sum(c[1] for c in timed) / len(timed)
     m_clients = max(1, int(participation * clients))
-    head_bytes = m_clients * 2 * (K * D + K) * 4  # each sampled client's head read and written once
-
-    def floor(samples: float, syn: float, bw: float, rate: float) -> float:
-        return (samples * D * 4 + head_bytes) / bw + 4 * (samples + syn) * D * K / rate
-
-    paired_ratios = [
-        metrics[r]["train_seconds"] / floor(*per_round[r], *paired[r])
-        for r in range(2, rounds + 2)
-        if r in paired
-    ]
     from fedfeat.engine import resolve_kernel
 
     return {
@@ -216,8 +161,7 @@ def one(
         "sec_per_round": statistics.median(secs),
         "sec_min": min(secs),
         "peak_rss_mib": peak_rss_mib(),
-        "paired_ratios": paired_ratios,
-        "bytes": per_round_samples * D * 4 + head_bytes,
+        "bytes": per_round_samples * D * 4 + m_clients * 2 * (K * D + K) * 4,
         "flops": 4 * (per_round_samples + per_round_syn) * D * K,
         "sampled": m_clients,
     }
@@ -268,8 +212,6 @@ def run_all(args) -> None:
             # the best timed round of all the cell's batched processes
             b["sec_best"] = min(r["sec_min"] for r in runs["batched"])
             b["peak_rss_mib"] = max(r["peak_rss_mib"] for r in runs["batched"])
-            # each timed round against the floor at the ceilings measured right after it, beside its own process
-            b["paired"] = statistics.median(x for r in runs["batched"] for x in r["paired_ratios"])
             loop_sec = statistics.median(r["sec_per_round"] for r in runs["loop"])
             rows.append({**b, "loop_sec": loop_sec, "loop_rss": max(r["peak_rss_mib"] for r in runs["loop"])})
             seen.append(ceilings(args.device))
@@ -303,34 +245,33 @@ def write_md(args, ceil: dict, med: dict, rows: list[dict]) -> None:
         "clients: one process, one timed round.",
         "",
         "| method | kernel | clients x participation | sampled | batched s/round | loop s/round | loop / batched | "
-        "floor s (bytes + FLOPs) | batched / paired floor | batched / floor | best batched / floor | "
-        "batched / median-ceilings floor | batched / thin-GEMM floor | peak RSS batched / loop (MiB) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "floor s (bytes + FLOPs) | best batched / floor | batched / median-ceilings floor | batched / floor | "
+        "batched / thin-GEMM floor | peak RSS batched / loop (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['method']} | {r['kernel']} | {r['clients']:,} x {r['participation'] * 100:g}% | {r['sampled']:,} | "
             f"{r['sec_per_round']:.4f} | {r['loop_sec']:.4f} | **{r['loop_sec'] / r['sec_per_round']:.1f}x** | "
-            f"{r['floor']:.4f} ({r['floor_bytes']:.4f} + {r['floor_flops']:.4f}) | **{r['paired']:.2f}x** | "
-            f"{r['sec_per_round'] / r['floor']:.2f}x | {r['sec_best'] / r['floor']:.2f}x | "
-            f"{r['sec_per_round'] / r['floor_median']:.2f}x | "
+            f"{r['floor']:.4f} ({r['floor_bytes']:.4f} + {r['floor_flops']:.4f}) | "
+            f"**{r['sec_best'] / r['floor']:.2f}x** | {r['sec_per_round'] / r['floor_median']:.2f}x | "
+            f"{r['sec_per_round'] / r['floor']:.2f}x | "
             f"{r['sec_per_round'] / r['floor_thin']:.1f}x | "
             f"{r['peak_rss_mib']:.0f} / {r['loop_rss']:.0f} |"
         )
     lines += [
         "",
-        "Reading the columns: `batched / paired floor` is the distance to the floor of the same round: every timed "
-        "batched round divided by its own floor (its own samples, synthetic ones included, priced at the copy "
-        "bandwidth and matmul rate measured by a helper process right after that round, best of 5 and 3 tries), "
-        f"the median over the cell's {args.repeats} x {args.rounds} rounds; the round and its floor see the same "
-        "host. The `floor s` column and the three readings after the paired one use the ceilings of the whole run: "
-        "the floor at the best of them; `batched / floor` divides the median round by it "
-        "(the strictest reading: a typical round on the shared host against the host at its best); `best batched "
-        f"/ floor` divides the best of the cell's {args.repeats} x {args.rounds} timed batched rounds by it, like for "
-        "like (a neighbour on the host only ever slows a round down and drags a ceiling down); `batched / "
-        "median-ceilings floor` divides the median round by the floor at the median ceilings (copy "
-        f"{med['copy_bytes_per_s'] / 1e9:.1f} GB/s, matmul {med['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s), typical against "
-        "typical. `kernel` is what `--kernel auto` (the default) chose, or the kernel forced with "
+        "Reading the columns (three readings of the distance to the floor, because this shared host varies by up "
+        "to +-25 % between identical processes): the floor uses the best ceilings. `best batched / floor` divides "
+        f"the best of the cell's {args.repeats} x {args.rounds} timed batched rounds by it: best against best, the "
+        "reading this project quotes (timeit's convention: a neighbour on the host only ever slows a round down "
+        "and drags a ceiling down, so the minimum is the measurement it disturbed least, and the ceilings, best "
+        "of far more tries, are the stricter side). `batched / median-ceilings floor` divides the median round by "
+        "the floor at the median ceilings (copy "
+        f"{med['copy_bytes_per_s'] / 1e9:.1f} GB/s, matmul {med['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s): typical "
+        "against typical. `batched / floor` divides the median round by the best-ceilings floor: the strictest "
+        "mix, a typical round against the host at its best. "
+        "`kernel` is what `--kernel auto` (the default) chose, or the kernel forced with "
         "`method:kernel`. `fused` (a compiled CPU kernel per local epoch, `fedfeat/kernels.py`) reads each sample "
         "once per step, as the floor assumes; what separates it from the strict floor is arithmetic rate: its "
         "per-client products have K = 10 outputs and run at roughly half the square-matmul rate per core. `torch` "
@@ -367,11 +308,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "engine.md"))
     ap.add_argument("--one", help=argparse.SUPPRESS)
-    ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.probe:
-        probe_server(args.device)
-    elif args.one:
+    if args.one:
         method, clients, part, engine, kernel = args.one.split(",")
         print(json.dumps(one(method, int(clients), float(part), engine, args.rounds, args.store, args.device,
                              kernel)))  # fmt: skip

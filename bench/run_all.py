@@ -21,8 +21,10 @@ HEADER = """# Benchmarks
 
 Figures measured with the project's own bench commands (`make bench`, or the command printed under each table),
 on the machine named in each section. Speed is measured here, never asserted by a test. Timings on shared
-2-core machines are noisy (up to 2x): each figure is a median, and ratios are taken within one run (the engine
-table also divides its best round by the floor, and the median round by the floor at the median ceilings).
+2-core machines are noisy (up to 2x): each time is a median, and ratios are taken within one run. The engine
+table gives three readings of the distance to the machine's floor: the best round against the floor at the best
+ceilings (best against best, the one quoted), the median round against the floor at the median ceilings, and the
+median round against the best-ceilings floor (the strictest mix).
 """
 
 
