@@ -12,8 +12,9 @@ test evaluation, the same code for both engines, is left out).
 The floor of a round is what this machine cannot beat: the bytes the round must move (each participating
 sample's float32 features read once per local epoch, each client's head read and written once) divided by the
 measured copy bandwidth, plus the round's FLOPs (forward and weight gradient of the linear head,
-4 * samples * D * K, synthetic samples of FST-CBDG included) divided by the measured float32 matmul rate (a 2048 x 2048 matmul: the machine's peak). A second floor uses the matmul rate
-measured on the round's own thin GEMMs (K = 10 outputs per client), which BLAS cannot run at the square peak.
+4 * samples * D * K, synthetic samples of FST-CBDG included) divided by the measured float32 matmul rate (a
+2048 x 2048 matmul: the machine's peak). A second floor uses the matmul rate measured on the round's own thin
+GEMMs (K = 10 outputs per client), which BLAS cannot run at the square peak.
 The ceilings are measured before the runs and after each cell, and the floor uses the best seen of each: a
 neighbour on a shared host can drag one measurement down, which would make the floor lenient. The table divides
 the best round by that floor (best against best: the reading quoted), the median round by the floor at the median

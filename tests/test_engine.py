@@ -129,9 +129,8 @@ def test_fused_kernel_equals_numpy_sgd_for_every_block_shape(K):
         momentum=mom, weight_decay=wd, logit_scale=scale, loss_out=loss, threads=2, init=True, one_epoch=True,
     )  # fmt: skip
     for j, (st, n) in enumerate(zip(starts, sizes)):
-        order = kernels._client_rows(
-            np.uint64(key), st, n
-        )  # the kernel's shuffle (tested against the engine's)
+        # the kernel's shuffle (tested against the engine's)
+        order = kernels._client_rows(np.uint64(key), st, n)
         w, c, mw, mc = Wg.copy(), bg.copy(), np.zeros_like(Wg), np.zeros_like(bg)
         for s in range(-(-n // B)):
             rows = order[s * B : (s + 1) * B]

@@ -282,8 +282,8 @@ class FSTCBDG(LinearHead):
         P = int(((J + S - 1) // S).max()) if m else 0  # most synthetic samples of any client's step
         if P:  # the steps' banks, drawn side by side straight into the kernel's array (memory kept across rounds)
             shape = (int(S.max()), bank_rows(P, D), D)
-            n = math.prod(shape)
-            bank = round_buffer(ctx, "fst-cbdg bank", n, torch.empty((), dtype=torch.float32)).view(shape)
+            like = torch.empty((), dtype=torch.float32)
+            bank = round_buffer(ctx, "fst-cbdg bank", math.prod(shape), like).view(shape)
             list(
                 _pool(ctx.threads).map(
                     lambda s: self._draw(ctx, plan.rnd, epoch, s, bank[s]), range(bank.shape[0])
