@@ -1,21 +1,39 @@
 """The feature store: one zarr v3 directory per dataset x backbone x weights.
 
-Layout (``FORMAT_VERSION`` 1)::
+Layout (``FORMAT_VERSION`` 2)::
 
-    STORE.zarr/                      group attrs: see ``REQUIRED_ATTRS`` (+ "complete", "fingerprint_hash")
+    STORE.zarr/                      group attrs: see ``REQUIRED_ATTRS`` (+ "complete", "finite", "fingerprint_hash")
       <split>/features  [N, D] float16   unnormalised embeddings, row chunks of >= 1 MiB, zstd-1
       <split>/labels    [N]    int64     class ids; -1 marks a row skipped as unreadable (``encode --skip-bad``)
-      <split>/done      [n_chunks] uint8 1 once that feature chunk is written whole (one file per chunk)
+      <split>/labels_crc [1]   uint64    DONE_BIT | crc32 of the labels' bytes
+      <split>/done      [n_chunks] uint64  0 = pending; DONE_BIT | crc32 of the chunk's float16 bytes once that
+                                         feature chunk is written whole (one file per entry)
       text/features     [T, K, D] float16  one class embedding per template x class
-      text/done         [1] uint8
+      text/done         [1] uint64       DONE_BIT | crc32 of the text features
+      sources/          attrs "files": {name: [size, content hash]} of the dataset files read (``encode``)
       partitions/<key>/order    [M] int64   client-major sample positions into the split
       partitions/<key>/offsets  [clients + 1] int64   client i holds order[offsets[i]:offsets[i+1]]
                                             attrs: scheme, params (incl. seed), split
 
-Crash safety: a writer fills a whole feature chunk, then sets its ``done`` entry; the group's
-``complete`` attribute is set last, after every chunk and the text embeddings are done. ``open``
-refuses a store whose ``complete`` flag is not set. Several processes may write at once as long as
-each owns whole chunks (zarr silently loses data when two writers share a chunk).
+Crash safety: a writer fills a whole feature chunk, then sets its ``done`` entry (which carries the chunk's
+checksum: one small file, written last); the group's ``complete`` attribute is set last, after every chunk
+and the text embeddings are done. ``open`` refuses a store whose ``complete`` flag is not set. Several
+processes may write at once as long as each owns whole chunks and their ``done`` entries (zarr silently
+loses data when two writers share a chunk).
+
+Integrity (why format version 2): zarr reads a missing chunk file as zeros, so a deleted or truncated store
+would otherwise train on all-zero features. Every feature chunk, the labels and the text features carry a
+crc32 of their bytes, written by the process that wrote the data. ``features(split)``, ``text_features()``
+and ``labels(split)`` verify the checksums of everything they read (crc32 runs at > 1 GB/s; the decode costs
+more) and refuse non-finite values; ``features_rows`` reads and verifies whole chunks; ``verify()`` (``fedfeat
+info --verify``) checks everything. A failure is a one-line ``FedfeatError`` naming the split, the chunk and its
+rows (or the first non-finite row) and how to rebuild. Non-finite features are refused when written, and a
+complete store records ``finite: true``; a complete store without that record is scanned once on open (and the
+result recorded when it is opened writable). Stores of format version 1 (no checksums) are refused with the
+rebuild message: their contents cannot be verified.
+
+Read-only use: ``open(path, mode="r")`` (the default) never writes anything (no lock files, attributes or zarr
+metadata), so stores on read-only filesystems can be read and partitioned in memory.
 
 Example::
 
@@ -26,10 +44,12 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +59,10 @@ from zarr.codecs import ZstdCodec
 
 from fedfeat.errors import FedfeatError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MIN_CHUNK_BYTES = 1 << 20  # a feature chunk is at least 1 MiB (fewer, larger files; zarr reads whole chunks)
+DONE_BIT = 1 << 32  # a done entry is DONE_BIT | crc32: never 0 (zarr's fill value for a missing entry)
+_F16_EXP = np.uint16(0x7C00)  # float16 exponent bits: all set means inf or NaN
 
 REQUIRED_ATTRS = (
     "format_version",
@@ -54,6 +76,45 @@ REQUIRED_ATTRS = (
     "fingerprint",  # dict: everything that determines the contents
     "splits",  # dict split -> number of rows
 )
+
+# errno -> (what happened, what to do), for writes that fail on the filesystem
+_OS_ADVICE = {
+    errno.ENOSPC: ("no space left on device", "free space or choose another location"),
+    errno.EDQUOT: ("disk quota exceeded", "free space or choose another location"),
+    errno.EROFS: ("read-only file system", "choose a writable location"),
+    errno.EACCES: ("permission denied", "fix the permissions or choose a writable location"),
+    errno.EPERM: ("operation not permitted", "fix the permissions or choose a writable location"),
+}
+
+
+def storage_error(e: OSError, path: str | Path, action: str, fix: str | None = None) -> FedfeatError:
+    """A one-line ``FedfeatError`` for an ``OSError`` raised while ``action`` at ``path``.
+
+    Example::
+
+        >>> str(storage_error(OSError(28, "No space left on device"), "cache/s.zarr", "writing the store"))
+        'cannot finish writing the store at cache/s.zarr: no space left on device; free space or choose ...'
+    """
+    what, advice = _OS_ADVICE.get(e.errno, (e.strerror or str(e), "check the path and the filesystem"))
+    where = f"{path}" + (f" ({e.filename})" if e.filename and str(e.filename) != str(path) else "")
+    return FedfeatError(f"cannot finish {action} at {where}: {what}; {fix or advice}")
+
+
+def crc(a: np.ndarray) -> int:
+    """crc32 of an array's C-order bytes (the checksum stored beside every chunk)."""
+    return zlib.crc32(np.ascontiguousarray(a).view(np.uint8).reshape(-1)) & 0xFFFFFFFF
+
+
+def first_nonfinite_row(a: np.ndarray) -> int | None:
+    """Index of the first row (along axis 0) holding NaN or inf, or None (float16 via its exponent bits)."""
+    a = np.asarray(a)
+    if a.dtype == np.float16:
+        bad = (a.view(np.uint16) & _F16_EXP) == _F16_EXP
+    else:
+        bad = ~np.isfinite(a)
+    if not bad.any():
+        return None
+    return int(np.flatnonzero(bad.reshape(len(a), -1).any(axis=1))[0])
 
 
 def fingerprint_hash(fingerprint: dict) -> str:
@@ -76,17 +137,18 @@ def is_store(path: str | Path) -> bool:
         return False
     try:
         attrs = json.loads(meta.read_text()).get("attributes", {})
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):
         return False
-    return "format_version" in attrs
+    return isinstance(attrs, dict) and "format_version" in attrs
 
 
 class FeatureStore:
     """A fedfeat feature store on disk. Use ``create`` to start one and ``open`` to read one."""
 
-    def __init__(self, path: Path, group: zarr.Group):
+    def __init__(self, path: Path, group: zarr.Group, mode: str = "r"):
         self.path = path
         self._g = group
+        self._mode = mode
         self._attrs = dict(group.attrs)
 
     # ------------------------------------------------------------------ creation / opening
@@ -106,12 +168,14 @@ class FeatureStore:
         labels: dict[str, np.ndarray],
         chunk_rows: int | None = None,
         extra_attrs: dict | None = None,
+        sources: dict | None = None,
         overwrite: bool = False,
     ) -> FeatureStore:
         """Create an empty, incomplete store with its labels written and its feature chunks pending.
 
         ``labels`` maps each split name ("train", "test", ...) to its ``[N]`` label array; the
         feature arrays are pre-sized (one process creates, writers only fill whole chunks).
+        ``sources``: ``{file name: [size, content hash]}`` of the dataset files (``encode``).
         """
         path = Path(path)
         if path.exists():
@@ -140,6 +204,7 @@ class FeatureStore:
             "complete": False,
         }
         attrs.update(extra_attrs or {})
+        st = cls(path, g, mode="w")
         for split, lab in labels.items():
             lab = np.asarray(lab, dtype=np.int64)
             n = len(lab)
@@ -154,10 +219,11 @@ class FeatureStore:
                 compressors=ZstdCodec(level=1),
                 fill_value=0,
             )
-            la = sg.create_array("labels", shape=(n,), chunks=(max(n, 1),), dtype="int64", fill_value=-1)
-            la[:] = lab
+            sg.create_array("labels", shape=(n,), chunks=(max(n, 1),), dtype="int64", fill_value=-1)
+            sg.create_array("labels_crc", shape=(1,), chunks=(1,), dtype="uint64", fill_value=0)
+            st._write_labels(split, lab)
             sg.create_array(
-                "done", shape=(math.ceil(n / chunk_rows),), chunks=(1,), dtype="uint8", fill_value=0
+                "done", shape=(math.ceil(n / chunk_rows),), chunks=(1,), dtype="uint64", fill_value=0
             )
         tg = g.require_group("text")
         tg.create_array(
@@ -168,17 +234,22 @@ class FeatureStore:
             compressors=ZstdCodec(level=1),
             fill_value=0,
         )
-        tg.create_array("done", shape=(1,), chunks=(1,), dtype="uint8", fill_value=0)
+        tg.create_array("done", shape=(1,), chunks=(1,), dtype="uint64", fill_value=0)
         g.require_group("partitions")
-        g.attrs.update(
-            attrs
-        )  # attributes last: a half-created store has no format_version and is "not a store"
-        return cls(path, g)
+        g.require_group("sources").attrs.update({"files": sources or {}})
+        # attributes last: a half-created store has no format_version and is "not a store"
+        g.attrs.update(attrs)
+        st._refresh()
+        return st
 
     @classmethod
     def open(cls, path: str | Path, *, mode: str = "r", allow_incomplete: bool = False) -> FeatureStore:
         """Open an existing store; refuse paths that are not stores, other format versions and
-        (unless ``allow_incomplete``) stores whose writing never finished."""
+        (unless ``allow_incomplete``) stores whose writing never finished.
+
+        ``mode="r"`` (the default) never writes to the store or next to it: it works on read-only
+        filesystems. ``mode="r+"`` is for writers (``encode``, saving partitions).
+        """
         path = Path(path)
         if not path.exists():
             raise FedfeatError(
@@ -189,20 +260,75 @@ class FeatureStore:
                 f"{path} is not a fedfeat store (no store attributes in zarr.json); "
                 "point to a directory made by `fedfeat synth` or `fedfeat encode`"
             )
-        g = zarr.open_group(str(path), mode=mode, zarr_format=3)
-        st = cls(path, g)
+        try:
+            g = zarr.open_group(str(path), mode=mode, zarr_format=3)
+        except OSError as e:
+            raise storage_error(e, path, "opening the store", "open it with mode 'r' (read only)") from None
+        except Exception as e:  # unreadable zarr metadata: the store is damaged, not the program
+            raise FedfeatError(
+                f"store {path} is damaged ({type(e).__name__}: {e}); rebuild it with `fedfeat encode --force` "
+                "(or `fedfeat synth --force`)"
+            ) from None
+        st = cls(path, g, mode=mode)
         version = st._attrs.get("format_version")
         if version != FORMAT_VERSION:
             raise FedfeatError(
                 f"{path} has store format version {version}, this fedfeat reads version {FORMAT_VERSION}; "
-                "rebuild it with this version's `fedfeat encode --force` (or `fedfeat synth --force`)"
+                f"rebuild it with this version's {st._rebuild_hint()}"
             )
+        missing = [k for k in REQUIRED_ATTRS if k not in st._attrs]
+        if missing:
+            raise st._damaged(f"its attributes lack {', '.join(missing)}")
         if not allow_incomplete and not st.complete:
             raise FedfeatError(
                 f"{path} is incomplete (its writing was interrupted); re-run the same `fedfeat encode` "
                 "command to resume it, or `fedfeat synth --force` for a synthetic store"
             )
+        if st.complete and st._attrs.get("finite") is not True:
+            st._check_finite_once()
         return st
+
+    def _rebuild_hint(self) -> str:
+        if self._attrs.get("backbone") == "synthetic":
+            return "`fedfeat synth --force`"
+        return "`fedfeat encode --force` (or `fedfeat synth --force` for a synthetic store)"
+
+    def _damaged(self, what: str) -> FedfeatError:
+        return FedfeatError(f"store {self.path}: {what}; rebuild the store with {self._rebuild_hint()}")
+
+    def _arr(self, name: str) -> zarr.Array:
+        """The array ``name``; a missing or unreadable one means a damaged store (one-line error)."""
+        try:
+            return self._g[name]
+        except Exception as e:  # zarr raises KeyError, ValueError, JSON errors... for broken metadata
+            raise self._damaged(f"array {name} is missing or unreadable ({type(e).__name__})") from None
+
+    def _read(self, name: str, sel=slice(None)) -> np.ndarray:
+        arr = self._arr(name)
+        try:
+            return np.asarray(arr[sel])
+        except OSError as e:
+            raise storage_error(e, self.path, f"reading {name}") from None
+        except Exception as e:  # a chunk that does not decode (truncated or overwritten file)
+            raise self._damaged(f"{name} does not decode ({type(e).__name__}: {e})") from None
+
+    def _check_finite_once(self) -> None:
+        """A complete store without the ``finite`` record: scan it, record the result when writable."""
+        for split in self.splits:
+            self._refuse_nonfinite(f"{split}/features", self._read(f"{split}/features"))
+        self._refuse_nonfinite("text/features", self._read("text/features"))
+        if self._mode != "r":
+            self.update_attrs(finite=True)
+
+    def _refuse_nonfinite(self, name: str, a: np.ndarray, row0: int = 0) -> None:
+        r = first_nonfinite_row(a)
+        if r is not None:
+            where = (
+                f"row {row0 + r}"
+                if a.ndim == 2
+                else f"template {r}, class {first_nonfinite_row(a[r])}"  # text: [T, K, D]
+            )
+            raise self._damaged(f"{name} {where} is not finite (NaN or inf)")
 
     # ------------------------------------------------------------------ attributes
     @property
@@ -252,6 +378,16 @@ class FeatureStore:
         if split not in self._attrs["splits"]:
             raise FedfeatError(f"store {self.path} has no split '{split}'; it has: {', '.join(self.splits)}")
 
+    def sources(self) -> dict:
+        """``{file name: [size, content hash]}`` of the dataset files the store was encoded from."""
+        try:
+            return dict(self._g["sources"].attrs.get("files", {}))
+        except KeyError:
+            return {}
+
+    def set_sources(self, files: dict) -> None:
+        self._g.require_group("sources").attrs.update({"files": files})
+
     # ------------------------------------------------------------------ chunked writing
     @property
     def chunk_rows(self) -> int:
@@ -265,36 +401,70 @@ class FeatureStore:
         r = self.chunk_rows
         return slice(i * r, min((i + 1) * r, self.n(split)))
 
+    def _done(self, split: str) -> np.ndarray:
+        """``[n_chunks]`` uint64 done entries (0: pending, else DONE_BIT | crc32)."""
+        self._check_split(split)
+        return self._read(f"{split}/done").astype(np.uint64)
+
     def done_chunks(self, split: str) -> np.ndarray:
         """``[n_chunks]`` bool: which feature chunks are written whole."""
-        self._check_split(split)
-        return self._g[f"{split}/done"][:].astype(bool)
+        return self._done(split) != 0
 
     def write_chunk(self, split: str, i: int, feats: np.ndarray) -> None:
-        """Write feature chunk ``i`` whole (``feats  # [rows, D]``), then record it as done."""
+        """Write feature chunk ``i`` whole (``feats  # [rows, D]``), then record it as done with its checksum.
+
+        Non-finite values (also float16 overflow) are refused: a store holds finite features only.
+        """
         sl = self.chunk_slice(split, i)
         feats = np.asarray(feats)
         if feats.shape != (sl.stop - sl.start, self.embed_dim):
             raise ValueError(
                 f"chunk {i} of {split} needs shape {(sl.stop - sl.start, self.embed_dim)}, got {feats.shape}"
             )
-        self._g[f"{split}/features"][sl] = feats.astype(np.float16)
-        self._g[f"{split}/done"][i] = 1
+        f16 = np.ascontiguousarray(feats.astype(np.float16))
+        r = first_nonfinite_row(f16)
+        if r is not None:
+            raise FedfeatError(
+                f"store {self.path}: refusing to write {split}/features row {sl.start + r}: not finite "
+                "(NaN or inf, or beyond float16's range)"
+            )
+        self._g[f"{split}/features"][sl] = f16
+        self._g[f"{split}/done"][i] = DONE_BIT | crc(f16)
+
+    def clear_chunks(self, split: str, chunks) -> None:
+        """Mark chunks pending again (their features are re-encoded); the store becomes incomplete."""
+        self.update_attrs(complete=False)
+        for i in chunks:
+            self._g[f"{split}/done"][int(i)] = 0
+
+    def _write_labels(self, split: str, labels: np.ndarray) -> None:
+        labels = np.ascontiguousarray(labels, dtype=np.int64)
+        self._g[f"{split}/labels"][:] = labels
+        self._g[f"{split}/labels_crc"][0] = DONE_BIT | crc(labels)
 
     def set_labels(self, split: str, rows: slice, labels: np.ndarray) -> None:
-        """Overwrite labels of ``rows`` (used to mark unreadable images with -1)."""
-        self._g[f"{split}/labels"][rows] = np.asarray(labels, dtype=np.int64)
+        """Overwrite labels of ``rows`` (used to mark unreadable images with -1); one process only."""
+        full = self.labels(split).copy()
+        full[rows] = np.asarray(labels, dtype=np.int64)
+        self._write_labels(split, full)
 
     def write_text(self, feats: np.ndarray) -> None:
         """Write the class-prompt embeddings ``feats  # [T, K, D]`` and record them as done."""
         want = (len(self.templates), self.n_classes, self.embed_dim)
         if tuple(feats.shape) != want:
             raise ValueError(f"text features need shape {want}, got {tuple(feats.shape)}")
-        self._g["text/features"][:] = np.asarray(feats).astype(np.float16)
-        self._g["text/done"][0] = 1
+        f16 = np.ascontiguousarray(np.asarray(feats).astype(np.float16))
+        r = first_nonfinite_row(f16.reshape(-1, self.embed_dim))
+        if r is not None:
+            raise FedfeatError(
+                f"store {self.path}: refusing to write text/features template {r // self.n_classes}, "
+                f"class {r % self.n_classes}: not finite (NaN or inf)"
+            )
+        self._g["text/features"][:] = f16
+        self._g["text/done"][0] = DONE_BIT | crc(f16)
 
     def text_done(self) -> bool:
-        return bool(self._g["text/done"][0])
+        return bool(self._read("text/done")[0])
 
     def missing(self) -> dict[str, int]:
         """Pending work: split -> number of chunks not yet done (and "text" -> 1 if pending)."""
@@ -311,28 +481,105 @@ class FeatureStore:
         pending = {k: v for k, v in self.missing().items() if v}
         if pending:
             raise RuntimeError(f"cannot mark {self.path} complete: pending chunks {pending}")
-        self.update_attrs(complete=True)
+        self.update_attrs(complete=True, finite=True)  # write_chunk / write_text refuse non-finite values
 
-    # ------------------------------------------------------------------ reading
+    # ------------------------------------------------------------------ reading (verified)
+    def _check_chunk(self, split: str, i: int, block: np.ndarray, entry: int) -> None:
+        """Refuse chunk ``i`` of ``split`` (``block  # [rows, D]`` float16) unless it is finite and its
+        checksum matches the one recorded when it was written."""
+        sl = self.chunk_slice(split, i)
+        self._refuse_nonfinite(f"{split}/features", block, sl.start)
+        rows = f"rows {sl.start}-{sl.stop - 1}"
+        if entry == 0:
+            if self.complete:
+                raise self._damaged(
+                    f"{split}/features chunk {i} ({rows}) has no checksum record (its done entry is missing)"
+                )
+            raise FedfeatError(
+                f"store {self.path}: {split}/features chunk {i} ({rows}) is not written yet; "
+                "resume the store with the same `fedfeat encode` command"
+            )
+        if DONE_BIT | crc(block) != entry:
+            raise self._damaged(
+                f"{split}/features chunk {i} ({rows}) does not match its checksum "
+                "(chunk file missing, truncated or changed)"
+            )
+
     def features(self, split: str) -> np.ndarray:
-        """All features of ``split``: ``[N, D]`` float16, unnormalised."""
+        """All features of ``split``: ``[N, D]`` float16, unnormalised.
+
+        Every chunk is verified against its checksum and for finite values; a failure raises a one-line
+        ``FedfeatError`` naming the split, the chunk and its rows (or the first non-finite row).
+        """
         self._check_split(split)
-        return self._g[f"{split}/features"][:]
+        done = self._done(split)
+        out = self._read(f"{split}/features")  # [N, D]
+        for i in range(len(done)):
+            self._check_chunk(split, i, out[self.chunk_slice(split, i)], int(done[i]))
+        return out
 
     def features_rows(self, split: str, rows: np.ndarray) -> np.ndarray:
-        """Features of the given rows only (reads only the chunks holding them)."""
+        """Features of the given rows only: reads (and verifies) only the chunks holding them."""
         self._check_split(split)
         rows = np.asarray(rows, dtype=np.int64)
-        return self._g[f"{split}/features"].get_orthogonal_selection((rows, slice(None)))
+        n = self.n(split)
+        if len(rows) and (rows.min() < 0 or rows.max() >= n):
+            raise IndexError(f"rows outside 0..{n - 1} of split {split}")
+        out = np.empty((len(rows), self.embed_dim), dtype=np.float16)
+        done = self._done(split)
+        chunk_of = rows // self.chunk_rows
+        for i in np.unique(chunk_of):
+            sl = self.chunk_slice(split, int(i))
+            block = self._read(f"{split}/features", sl)
+            self._check_chunk(split, int(i), block, int(done[i]))
+            sel = chunk_of == i
+            out[sel] = block[rows[sel] - sl.start]
+        return out
 
     def labels(self, split: str) -> np.ndarray:
-        """``[N]`` int64 labels of ``split`` (-1: row skipped as unreadable)."""
+        """``[N]`` int64 labels of ``split`` (-1: row skipped as unreadable), checked against their checksum."""
         self._check_split(split)
-        return self._g[f"{split}/labels"][:]
+        lab = self._read(f"{split}/labels")
+        entry = int(self._read(f"{split}/labels_crc")[0])
+        if entry != DONE_BIT | crc(lab.astype(np.int64)):
+            raise self._damaged(
+                f"{split}/labels (rows 0-{len(lab) - 1}) does not match its checksum "
+                "(chunk file missing, truncated or changed)"
+            )
+        return lab
 
     def text_features(self) -> np.ndarray:
-        """``[T, K, D]`` float16 class-prompt embeddings, unnormalised."""
-        return self._g["text/features"][:]
+        """``[T, K, D]`` float16 class-prompt embeddings, unnormalised; verified like ``features``."""
+        text = self._read("text/features")
+        self._refuse_nonfinite("text/features", text)
+        entry = int(self._read("text/done")[0])
+        if entry == 0 and not self.complete:
+            raise FedfeatError(f"store {self.path}: text/features are not written yet; resume the store")
+        if entry != DONE_BIT | crc(text):
+            raise self._damaged(
+                "text/features does not match its checksum (chunk file missing, truncated or changed)"
+            )
+        return text
+
+    def verify(self, log=None) -> dict:
+        """Check every written chunk, the labels and the text features (``fedfeat info --verify``).
+
+        Raises a one-line ``FedfeatError`` at the first problem; returns counts of what was checked.
+        Pending chunks of an incomplete store are skipped (they are not written yet).
+        """
+        checked = {"chunks": 0, "rows": 0}
+        for split in self.splits:
+            self.labels(split)
+            done = self._done(split)
+            for i in np.flatnonzero(done != 0) if not self.complete else range(len(done)):
+                sl = self.chunk_slice(split, int(i))
+                self._check_chunk(split, int(i), self._read(f"{split}/features", sl), int(done[i]))
+                checked["chunks"] += 1
+                checked["rows"] += sl.stop - sl.start
+        if self.complete or self.text_done():
+            self.text_features()
+            checked["text"] = 1
+        return checked
 
     # ------------------------------------------------------------------ partitions
     def save_partition(self, partition, split: str = "train", key: str | None = None) -> str:
@@ -351,20 +598,36 @@ class FeatureStore:
         kg.create_array("offsets", shape=offsets.shape, chunks=(len(offsets),), dtype="int64", fill_value=0)
         kg["offsets"][:] = offsets
         kg.attrs.update(
-            {"scheme": partition.scheme, "params": partition.params, "split": split, "complete": True}
+            {
+                "scheme": partition.scheme,
+                "params": partition.params,
+                "split": split,
+                "crc": {"order": crc(order.astype(np.int64)), "offsets": crc(offsets.astype(np.int64))},
+                "complete": True,
+            }
         )
         return key
 
     def partition_keys(self) -> list[str]:
         if "partitions" not in self._g:
             return []
-        pg = self._g["partitions"]
-        return sorted(k for k in pg.group_keys() if pg[k].attrs.get("complete"))
+        pg = self._arr("partitions")
+        return sorted(k for k, sub in pg.groups() if sub.attrs.get("complete"))
+
+    def _partition_array(self, key: str, name: str, attrs: dict) -> np.ndarray:
+        a = self._read(f"partitions/{key}/{name}").astype(np.int64)
+        want = attrs.get("crc", {}).get(name)
+        if want is not None and crc(a) != want:
+            raise FedfeatError(
+                f"store {self.path}: partitions/{key}/{name} does not match its checksum (chunk file missing "
+                "or changed); make the partition again with `fedfeat partition` (it is recomputed exactly)"
+            )
+        return a
 
     def partition_info(self, key: str) -> dict:
-        kg = self._g[f"partitions/{key}"]
-        offs = kg["offsets"][:]
-        return {**dict(kg.attrs), "clients": len(offs) - 1, "samples": int(offs[-1])}
+        a = dict(self._arr(f"partitions/{key}").attrs)
+        offs = self._partition_array(key, "offsets", a)
+        return {**a, "clients": len(offs) - 1, "samples": int(offs[-1])}
 
     def load_partition(self, key: str):
         """The stored partition ``key`` as a ``fedfeat.partition.Partition``."""
@@ -376,9 +639,9 @@ class FeatureStore:
                 f"store {self.path} has no partition '{key}' (stored: {known}); "
                 "create it with `fedfeat partition`"
             )
-        kg = self._g[f"partitions/{key}"]
-        a = dict(kg.attrs)
-        return Partition.from_order_and_offsets(a["scheme"], a["params"], kg["order"][:], kg["offsets"][:])
+        a = dict(self._arr(f"partitions/{key}").attrs)
+        order, offsets = (self._partition_array(key, k, a) for k in ("order", "offsets"))
+        return Partition.from_order_and_offsets(a["scheme"], a["params"], order, offsets)
 
     # ------------------------------------------------------------------ summary
     def summary(self) -> dict:
