@@ -30,9 +30,11 @@ Example::
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pickle
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -50,8 +52,8 @@ class UnreadableImage(FedfeatError):
     def __init__(self, where: str, reason: str):
         self.where = where
         super().__init__(
-            f"cannot read image {where} ({reason}); fix or remove the file, or pass --skip-bad to skip it "
-            "(its row gets label -1)"
+            f"cannot read image {where} ({reason}); fix or replace the file and re-run the same command "
+            "(finished chunks are kept), or pass --skip-bad to skip it (its row gets label -1)"
         )
 
 
@@ -133,14 +135,90 @@ def _to_str(x) -> str:
 
 
 # ---------------------------------------------------------------------------------------- file fingerprint
-def _files_fingerprint(files: list[tuple[str, int]]) -> dict:
-    """Names (relative to the root) and sizes of the files read; listed for small datasets, hashed always."""
+HASH_BLOCK = 1 << 20  # bytes read per update while hashing a file
+_RACY_NS = 2_000_000_000  # a file modified this recently may change again within its mtime tick: not cached
+
+
+def hash_cache_dir() -> Path:
+    """Where content hashes are cached: ``$FEDFEAT_CACHE_DIR`` or ``$XDG_CACHE_HOME/fedfeat`` (``~/.cache``)."""
+    env = os.environ.get("FEDFEAT_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "fedfeat"
+
+
+def _hash_file(path: Path) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while block := f.read(HASH_BLOCK):
+            h.update(block)
+    return h.hexdigest()
+
+
+class _HashCache:
+    """Content hashes of one dataset root's files, cached by (name, size, mtime_ns) in a small JSON file.
+
+    An entry is used only while the file's size and mtime are unchanged (and not for files modified in
+    the last two seconds, whose mtime may not yet show a further edit). The file is written atomically
+    (temporary file + rename); a cache that cannot be read or written is simply not used.
+    """
+
+    def __init__(self, root: Path):
+        key = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]
+        self.path = hash_cache_dir() / "file-hashes" / f"{key}.json"
+        self.root = root
+        try:
+            doc = json.loads(self.path.read_text())
+            self.entries = doc["entries"] if doc.get("root") == str(root.resolve()) else {}
+        except (OSError, ValueError, KeyError, TypeError):
+            self.entries = {}
+        self.dirty = False
+
+    def digest(self, name: str) -> tuple[int, str]:
+        """``(size, content hash)`` of ``root/name``; ``(-1, "missing")`` for a file that cannot be read."""
+        path = self.root / name
+        try:
+            st = path.stat()
+        except OSError:
+            return -1, "missing"
+        hit = self.entries.get(name)
+        if isinstance(hit, list) and hit[:2] == [st.st_size, st.st_mtime_ns]:
+            return st.st_size, hit[2]
+        try:
+            h = _hash_file(path)
+        except OSError:
+            return -1, "unreadable"
+        if time.time_ns() - st.st_mtime_ns > _RACY_NS:
+            self.entries[name] = [st.st_size, st.st_mtime_ns, h]
+            self.dirty = True
+        return st.st_size, h
+
+    def save(self) -> None:
+        if not self.dirty:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"root": str(self.root.resolve()), "entries": self.entries}))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # a read-only home: hash again next time
+
+
+def _files_fingerprint(files: list[tuple[str, int, str]]) -> dict:
+    """Names (relative to the root), sizes and content hashes of the files read; listed (name -> size)
+    for small datasets, hashed always."""
     h = hashlib.sha256()
-    for name, size in files:
-        h.update(f"{name}\t{size}\n".encode())
-    out: dict = {"count": len(files), "bytes": int(sum(max(s, 0) for _, s in files)), "sha256": h.hexdigest()}
+    for name, size, digest in files:
+        h.update(f"{name}\t{size}\t{digest}\n".encode())
+    out: dict = {
+        "count": len(files),
+        "bytes": int(sum(max(s, 0) for _, s, _ in files)),
+        "content": "blake2b-128",
+        "sha256": h.hexdigest(),
+    }
     if len(files) <= 32:
-        out["files"] = {name: size for name, size in files}
+        out["files"] = {name: size for name, size, _ in files}
     return out
 
 
@@ -166,6 +244,7 @@ class ImageDataset:
         self.root = root
         self.class_names: list[str] = []
         self._labels: dict[str, np.ndarray] = {}
+        self._digests: list[tuple[str, int, str]] | None = None
 
     @property
     def split_names(self) -> list[str]:
@@ -198,14 +277,30 @@ class ImageDataset:
         """``(name relative to root, size in bytes)`` of every file the dataset reads, sorted."""
         raise NotImplementedError
 
+    def file_digests(self) -> list[tuple[str, int, str]]:
+        """``(name, size, content hash)`` of every file the dataset reads, sorted; hashes are cached by
+        (path, size, mtime) so a re-run does not read unchanged files again."""
+        if self._digests is None:
+            cache = _HashCache(self.root)
+            self._digests = [(name, *cache.digest(name)) for name, _ in self.files()]
+            cache.save()
+        return self._digests
+
     def fingerprint(self) -> dict:
-        """What identifies the data: format, split sizes and the files' names and sizes."""
+        """What identifies the data: format, split sizes, class names and the files' names, sizes and
+        contents."""
         return {
             "format": self.format,
             "splits": {s: self.n(s) for s in self.split_names},
             "n_classes": len(self.class_names),
-            "files": _files_fingerprint(self.files()),
+            "class_names": list(self.class_names),
+            "files": _files_fingerprint(self.file_digests()),
         }
+
+    def rows_of_files(self, names: set[str]) -> tuple[dict[str, np.ndarray], set[str]]:
+        """Rows read from the files ``names``: ``({split: rows}, names that are not image sources)`` (for
+        re-encoding only what a changed file feeds)."""
+        raise NotImplementedError
 
 
 # ---------------------------------------------------------------------------------------- CIFAR
@@ -284,6 +379,20 @@ class _CifarBase(ImageDataset):
         names = [self.meta_file] + [fn for fns in self.split_files.values() for fn in fns]
         return sorted((fn, _size(self.root / fn)) for fn in names)
 
+    def rows_of_files(self, names: set[str]) -> tuple[dict[str, np.ndarray], set[str]]:
+        rows: dict[str, np.ndarray] = {}
+        used = set()
+        for split, per_file in self._rows.items():
+            start, hit = 0, []
+            for fn, n in per_file:
+                if fn in names:
+                    hit.append(np.arange(start, start + n))
+                    used.add(fn)
+                start += n
+            if hit:
+                rows[split] = np.concatenate(hit)
+        return rows, set(names) - used
+
 
 class Cifar10(_CifarBase):
     format = "cifar10"
@@ -333,6 +442,15 @@ class _FileDataset(ImageDataset):
 
     def item_name(self, split: str, i: int) -> str:
         return self._paths[split][i]
+
+    def rows_of_files(self, names: set[str]) -> tuple[dict[str, np.ndarray], set[str]]:
+        rows, used = {}, set()
+        for split, paths in self._paths.items():
+            hit = [i for i, p in enumerate(paths) if p in names]
+            used.update(paths[i] for i in hit)
+            if hit:
+                rows[split] = np.asarray(hit, dtype=np.int64)
+        return rows, set(names) - used
 
     def files(self) -> list[tuple[str, int]]:
         names = set(self._extra_files)

@@ -43,7 +43,7 @@ import torch
 from fedfeat import clipcompat
 from fedfeat.datasets import ImageDataset, UnreadableImage, open_dataset
 from fedfeat.errors import FedfeatError
-from fedfeat.store import FORMAT_VERSION, FeatureStore, fingerprint_hash, is_store
+from fedfeat.store import FORMAT_VERSION, FeatureStore, StoreLock, fingerprint_hash, is_store, storage_error
 from fedfeat.templates import fill, resolve_templates
 
 ENCODER_VERSION = 1  # bump when the encoding procedure changes what lands in a store
@@ -210,22 +210,53 @@ def _half_created(path: Path) -> bool:
     return doc.get("node_type") == "group" and "format_version" not in doc.get("attributes", {})
 
 
-def _decide(path: Path, fingerprint: dict, force: bool) -> str:
-    """``"create"``, ``"recreate"``, ``"resume"`` or ``"done"`` for the store at ``path`` (rank 0 only)."""
+def _changed_chunks(st: FeatureStore, fingerprint: dict, ds: ImageDataset):
+    """When a store differs from ``fingerprint`` only in the contents of image files (same names, splits,
+    classes and settings): ``({split: [chunk indices fed by changed files]}, changed names)``; else
+    ``(None, changed names or [])``. Re-encoding those chunks gives the store a fresh build would."""
+    old, new = st.fingerprint, fingerprint
+    if _diff_keys(old, new) != ["dataset"]:
+        return None, []
+    if _diff_keys(old["dataset"], new["dataset"]) != ["files"]:
+        return None, []
+    was, now = st.sources(), _sources(ds)
+    changed = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
+    if not changed or not was:
+        return None, changed
+    rows, other = ds.rows_of_files(set(changed))
+    if other:  # list files, class-name files, metadata: labels or names may differ
+        return None, changed
+    chunks = {s: sorted({int(r) // st.chunk_rows for r in rs}) for s, rs in rows.items()}
+    return chunks, changed
+
+
+def _sources(ds: ImageDataset) -> dict:
+    return {name: [size, digest] for name, size, digest in ds.file_digests()}
+
+
+def _decide(path: Path, fingerprint: dict, force: bool, ds: ImageDataset) -> tuple[str, dict]:
+    """``("create" | "recreate" | "resume" | "done" | "refresh", chunks to re-encode)`` for the store at
+    ``path`` (rank 0 only, holding the store's lock)."""
     if not path.exists():
-        return "create"
+        return "create", {}
     if force:
-        return "recreate"
+        return "recreate", {}
     if not is_store(path):
         if _half_created(path):
-            return "recreate"
+            return "recreate", {}
         raise FedfeatError(
             f"{path} exists and is not a fedfeat store; move it away or pass --force to replace it"
         )
     st = FeatureStore.open(path, mode="r", allow_incomplete=True)
     if st.attrs.get("fingerprint_hash") == fingerprint_hash(fingerprint):
-        return "done" if st.complete else "resume"
+        return ("done" if st.complete else "resume"), {}
+    chunks, changed = _changed_chunks(st, fingerprint, ds)
+    if chunks is not None:
+        return "refresh", {"chunks": chunks, "changed": changed}
     what = ", ".join(_diff_keys(st.fingerprint, fingerprint)) or "contents"
+    if changed:
+        shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+        what += f"; changed files: {shown}"
     state = "a complete" if st.complete else "an unfinished"
     raise FedfeatError(
         f"{path} holds {state} store made with different settings ({what} differ); "
@@ -281,6 +312,10 @@ def encode(
         raise FedfeatError(f"--batch-size must be >= 1, got {batch_size}")
     if chunk_rows is not None and chunk_rows < 1:
         raise FedfeatError(f"--chunk-rows must be >= 1, got {chunk_rows}")
+    if workers is not None and workers < 0:
+        raise FedfeatError(f"--workers must be >= 0, got {workers}")
+    if not probe_timeout > 0:
+        raise FedfeatError(f"the network probe timeout must be > 0 seconds, got {probe_timeout}")
     if precision not in clipcompat.PRECISIONS:
         raise FedfeatError(f"unknown precision '{precision}'; use one of {', '.join(clipcompat.PRECISIONS)}")
     dist_ctx, dev = _init_dist(distributed, device)
@@ -293,6 +328,8 @@ def encode(
         if dist_ctx.rank == 0:
             say_all(msg)
 
+    path: Path | None = None
+    lock: StoreLock | None = None
     try:
         clipcompat.check_precision(precision, dev)
         root = Path(root).expanduser()
@@ -302,10 +339,12 @@ def encode(
         bb = clipcompat.resolve_backbone(backbone)
         weights = clipcompat.resolve_weights(bb, pretrained, cache_dir=cache_dir, probe_timeout=probe_timeout)
         pp = clipcompat.preprocess_config(bb, weights)
+        # rank 0 reads (hashes) the dataset files; the others take its fingerprint
+        ds_fp = dist_ctx.broadcast(ds.fingerprint() if dist_ctx.rank == 0 else None)
         fingerprint = {
             "format_version": FORMAT_VERSION,
             "encoder_version": ENCODER_VERSION,
-            "dataset": ds.fingerprint(),
+            "dataset": ds_fp,
             "backbone": {"name": bb.name, "config_sha256": bb.config_sha256},
             "weights": weights.fingerprint(),
             "preprocessing": pp,
@@ -315,15 +354,16 @@ def encode(
         path = store_path(out, _dataset_name(dataset, root, name), bb.name, weights.label)
 
         decision = None
-        if dist_ctx.rank == 0:
+        if dist_ctx.rank == 0:  # rank 0 holds the store's lock for the whole job
             try:
-                decision = ("ok", _decide(path, fingerprint, force))
+                lock = StoreLock(path, log=say).acquire()
+                decision = ("ok", *_decide(path, fingerprint, force, ds))
             except FedfeatError as e:
                 decision = ("error", str(e))
         decision = dist_ctx.broadcast(decision)
         if decision[0] == "error":
             raise FedfeatError(decision[1])
-        action = decision[1]
+        action, refresh = decision[1], decision[2]
         if action == "done":
             say(
                 f"{path} is complete and matches (fingerprint {fingerprint_hash(fingerprint)}); nothing to do"
@@ -355,8 +395,22 @@ def encode(
                     "precision": precision,
                     "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 },
+                sources=_sources(ds),
                 overwrite=action == "recreate",
             )
+        elif dist_ctx.rank == 0 and action == "refresh":
+            # done entries cleared first, fingerprint last: a run killed in between redoes the same steps
+            st = FeatureStore.open(path, mode="r+", allow_incomplete=True)
+            n = sum(len(c) for c in refresh["chunks"].values())
+            names = refresh["changed"]
+            say(
+                f"{path}: {len(names)} dataset file(s) changed since it was encoded ({', '.join(names[:3])}"
+                f"{', ...' if len(names) > 3 else ''}); re-encoding the {n} chunk(s) they feed"
+            )
+            for split, chunks in refresh["chunks"].items():
+                st.clear_chunks(split, chunks)
+            st.set_sources(_sources(ds))
+            st.update_attrs(fingerprint=fingerprint, fingerprint_hash=fingerprint_hash(fingerprint))
         dist_ctx.barrier()
         st = FeatureStore.open(path, mode="r+", allow_incomplete=True)
         if st.attrs.get("fingerprint_hash") != fingerprint_hash(fingerprint):
@@ -364,7 +418,7 @@ def encode(
                 f"{path} changed while this run started (another `fedfeat encode` with other settings "
                 "writing the same store?); run one encode per store"
             )
-        if action == "resume" and dist_ctx.rank == 0:
+        if action in ("resume", "refresh") and dist_ctx.rank == 0:
             todo = {k: v for k, v in st.missing().items() if v}
             say(f"resuming {path}: pending chunks {todo}")
 
@@ -415,14 +469,24 @@ def encode(
         dist_ctx.barrier()
         stats["total_seconds"] = time.perf_counter() - t_start
         return path
+    except (
+        OSError
+    ) as e:  # a full disk, a read-only or forbidden location: one line; the store stays resumable
+        raise storage_error(
+            e,
+            path if path is not None else out,
+            "encoding",
+            "free space or fix the location, then re-run the same command (finished chunks are kept), "
+            "or choose another --out",
+        ) from None
     finally:
+        if lock is not None:
+            lock.release()
         dist_ctx.close()
 
 
 def _workers(workers: int | None, dev: torch.device, dist_ctx: _Dist) -> int:
-    if workers is not None:
-        if workers < 0:
-            raise FedfeatError(f"--workers must be >= 0, got {workers}")
+    if workers is not None:  # validated by encode() before anything is created
         return workers
     if dev.type == "cpu":
         return 0
@@ -458,12 +522,22 @@ def _encode_chunks(
     t0 = time.perf_counter()
     with _progress(progress, console) as bar:
         task = bar.add_task("encode", total=total)
-        for images, errors in loader:  # images  # [B, 3, H, W]
+        for keys, (images, errors) in zip(batches, loader):  # images  # [B, 3, H, W]
             bad = [k for k, e in enumerate(errors) if e]
             if bad and not skip_bad:
                 raise FedfeatError(errors[bad[0]])
             feats = clip.encode_images(images).numpy()  # [B, D] float32
-            if bad:  # an all-zero row marks an unreadable image (label -1 when the store completes)
+            nonfinite = [
+                k for k in np.flatnonzero(~np.isfinite(feats.astype(np.float16)).all(axis=1)) if k not in bad
+            ]
+            if nonfinite and not skip_bad:
+                raise FedfeatError(
+                    f"the model's features of image {ds.describe(*keys[nonfinite[0]])} are not finite (NaN or "
+                    "inf, or beyond float16's range); check the weights and --precision, or pass --skip-bad to "
+                    "skip such images (their rows get label -1)"
+                )
+            bad += [int(k) for k in nonfinite]
+            if bad:  # an all-zero row marks a skipped image (label -1 when the store completes)
                 feats[bad] = 0.0
             buf[filled : filled + len(feats)] = feats
             filled += len(feats)
@@ -493,10 +567,11 @@ def _finish(st: FeatureStore, ds: ImageDataset) -> dict[str, list[str]]:
     for split in st.splits:
         feats = st.features(split)  # [N, D] float16
         bad = np.flatnonzero(~feats.any(axis=1))
-        if len(bad):
-            labels = st.labels(split)
-            labels[bad] = -1
+        labels = ds.labels(split).copy()  # from the data: a re-encoded (fixed) image gets its label back
+        labels[bad] = -1
+        if not np.array_equal(labels, st.labels(split)):
             st.set_labels(split, slice(0, len(labels)), labels)
+        if len(bad):
             skipped[split] = [ds.item_name(split, int(i)) for i in bad]
     st.update_attrs(skipped=skipped)
     return skipped
