@@ -67,11 +67,19 @@ def synth(
 def info(
     store: Path = typer.Argument(..., help="Store directory (made by `fedfeat synth` or `fedfeat encode`)."),
     as_json: bool = typer.Option(False, "--json", help="Print the attributes as JSON instead of a table."),
+    verify: bool = typer.Option(
+        False,
+        "--verify",
+        help="Check every chunk, the labels and the text features against their checksums and for "
+        "NaN/inf first; a damaged store exits with status 2 and one line naming split, chunk and rows.",
+    ),
 ) -> None:
-    """Print a store's attributes, sizes and partitions (incomplete stores are shown, marked as such)."""
+    """Print a store's attributes, sizes and partitions (incomplete stores are shown, marked as such).
+
+    Read-only: works on stores on read-only filesystems and writes nothing."""
     from fedfeat.report import print_store_info
 
-    print_store_info(store, as_json=as_json)
+    print_store_info(store, as_json=as_json, verify=verify)
 
 
 @app.command()
@@ -98,7 +106,11 @@ def partition(
         None, "--export", help="Write each client's sample indices to JSON."
     ),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Draw the client x class count heatmap (PNG)."),
-    save: bool = typer.Option(True, help="Store the partition under the store's partitions/ (for reuse)."),
+    save: bool = typer.Option(
+        True,
+        help="Store the partition under the store's partitions/ (for reuse); --no-save computes it in "
+        "memory only (works on a read-only store).",
+    ),
 ) -> None:
     """Split a store's training set into clients (FedNTD / CLIP2FL algorithms, exact)."""
     from fedfeat.report import partition_command

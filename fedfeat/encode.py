@@ -239,14 +239,14 @@ def _decide(path: Path, fingerprint: dict, force: bool, ds: ImageDataset) -> tup
     ``path`` (rank 0 only, holding the store's lock)."""
     if not path.exists():
         return "create", {}
-    if force:
-        return "recreate", {}
     if not is_store(path):
         if _half_created(path):
             return "recreate", {}
-        raise FedfeatError(
-            f"{path} exists and is not a fedfeat store; move it away or pass --force to replace it"
+        raise FedfeatError(  # never delete what fedfeat did not write, even with --force
+            f"{path} exists and is not a fedfeat store; move it away, or choose another --out/--name"
         )
+    if force:
+        return "recreate", {}
     st = FeatureStore.open(path, mode="r", allow_incomplete=True)
     if st.attrs.get("fingerprint_hash") == fingerprint_hash(fingerprint):
         return ("done" if st.complete else "resume"), {}

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fedfeat.errors import FedfeatError
-from fedfeat.store import FeatureStore
+from fedfeat.store import FeatureStore, storage_error
 
 
 def _console() -> Console:
@@ -28,10 +28,21 @@ def _human_bytes(n: int) -> str:
     return str(n)
 
 
-def print_store_info(path: str | Path, *, as_json: bool = False) -> None:
-    """``fedfeat info``: attributes, split sizes, partitions of a store (incomplete ones included)."""
+def print_store_info(path: str | Path, *, as_json: bool = False, verify: bool = False) -> None:
+    """``fedfeat info``: attributes, split sizes, partitions of a store (incomplete ones included).
+
+    Opens the store read-only (works on read-only filesystems, writes nothing). ``verify``: first check
+    every written chunk, the labels and the text features against their checksums and for finite values
+    (``FeatureStore.verify``); a damaged store is a one-line error naming the split, chunk and rows.
+    """
     st = FeatureStore.open(path, allow_incomplete=True)
-    summ = st.summary()
+    checked = st.verify() if verify else None
+    try:
+        summ = st.summary()
+    except OSError as e:
+        raise storage_error(e, path, "reading the store", "check the path and its permissions") from None
+    if checked is not None:
+        summ["verified"] = checked
     if as_json:
         print(json.dumps(summ, indent=2, default=str))
         return
@@ -61,6 +72,13 @@ def print_store_info(path: str | Path, *, as_json: bool = False) -> None:
         )
     t.add_row("fingerprint", a.get("fingerprint_hash", "?"))
     t.add_row("size on disk", _human_bytes(summ["bytes_on_disk"]))
+    if checked is not None:
+        t.add_row(
+            "verified",
+            f"{checked['chunks']} feature chunks ({checked['rows']} rows), labels"
+            + (", text features" if checked.get("text") else "")
+            + ": checksums match, all finite",
+        )
     if "synthetic_stats" in a:
         s = a["synthetic_stats"]
         t.add_row("synthetic stats", ", ".join(f"{k} {v:.3f}" for k, v in s.items()))
@@ -153,19 +171,30 @@ def partition_command(
     """``fedfeat partition``: compute, store, describe, export and plot a partition."""
     from fedfeat import partition as P
 
+    for flag, target in (("--export", export), ("--plot", plot)):  # before any work or any write
+        if target is not None and not Path(target).parent.is_dir():
+            raise FedfeatError(
+                f"cannot write {target}: directory {Path(target).parent} does not exist; create it first "
+                f"or choose another {flag} path"
+            )
     st = FeatureStore.open(path, mode="r+" if save else "r")
-    key, part = store_partition(
-        st,
-        scheme=scheme,
-        clients=clients,
-        alpha=alpha,
-        shards=shards,
-        imbalance_factor=imbalance_factor,
-        shots=shots,
-        seed=seed,
-        split=split,
-        save=save,
-    )
+    try:
+        key, part = store_partition(
+            st,
+            scheme=scheme,
+            clients=clients,
+            alpha=alpha,
+            shards=shards,
+            imbalance_factor=imbalance_factor,
+            shots=shots,
+            seed=seed,
+            split=split,
+            save=save,
+        )
+    except OSError as e:
+        raise storage_error(
+            e, path, "saving the partition", "pass --no-save to use the partition without storing it"
+        ) from None
     labels = st.labels(split)
     counts = part.counts(np.maximum(labels, 0), st.n_classes)  # [clients, classes]
     sizes = part.sizes()
@@ -178,14 +207,17 @@ def partition_command(
     )
     if stats:
         print_partition_stats(counts, st.class_names)
-    if export is not None:
-        P.to_json(part, export)
-        con.print(f"exported client indices to {export}")
-    if plot is not None:
-        from fedfeat.plots import plot_partition_heatmap
+    try:
+        if export is not None:
+            P.to_json(part, export)
+            con.print(f"exported client indices to {export}")
+        if plot is not None:
+            from fedfeat.plots import plot_partition_heatmap
 
-        plot_partition_heatmap(counts, st.class_names, plot, title=key)
-        con.print(f"plot: {plot}")
+            plot_partition_heatmap(counts, st.class_names, plot, title=key)
+            con.print(f"plot: {plot}")
+    except OSError as e:
+        raise storage_error(e, e.filename or export or plot, "writing the export/plot") from None
 
 
 def print_partition_stats(counts: np.ndarray, class_names: list[str]) -> None:

@@ -28,7 +28,10 @@ mimics first- and second-order statistics of CLIP features.
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -36,7 +39,7 @@ import numpy as np
 import torch
 
 from fedfeat.errors import FedfeatError
-from fedfeat.store import FeatureStore, fingerprint_hash, is_store
+from fedfeat.store import FeatureStore, fingerprint_hash, is_store, storage_error
 
 CIFAR10_CLASSES = [
     "airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck",
@@ -162,8 +165,10 @@ def write_synthetic_store(
 ) -> FeatureStore:
     """Write a synthetic store at ``out`` (deterministic from ``params.seed``).
 
-    A complete store with the same parameters is kept as is; a different or incomplete one needs
-    ``force`` (an incomplete one is simply rebuilt).
+    A complete store with the same parameters is kept as is; a different one needs ``force``; an
+    incomplete one is simply rebuilt. The store is written in a temporary sibling directory
+    (``.<name>.tmp-<pid>``) and renamed into place when complete, so a failure (a full disk, Ctrl-C)
+    leaves nothing at ``out`` that looks like a store; a filesystem error is a one-line ``FedfeatError``.
 
     Example::
 
@@ -180,20 +185,64 @@ def write_synthetic_store(
     out = Path(out)
     fingerprint = {"generator": "fedfeat.synth", **asdict(p)}
     if out.exists():
+        st = None
         if is_store(out):
-            st = FeatureStore.open(out, allow_incomplete=True)
-            if st.complete and st.attrs.get("fingerprint_hash") == fingerprint_hash(fingerprint):
-                log(f"{out}: a complete synthetic store with these parameters exists; nothing to do")
-                return st
-            if st.complete and not force:
-                raise FedfeatError(
-                    f"{out} holds a different store; pass --force to replace it, or choose --out"
-                )
-        elif not force:
+            try:
+                st = FeatureStore.open(out, allow_incomplete=True)
+            except FedfeatError:
+                if not force:  # a damaged or older-format store: its message says to rebuild with --force
+                    raise
+            if st is not None and st.complete:
+                if st.attrs.get("fingerprint_hash") == fingerprint_hash(fingerprint):
+                    log(f"{out}: a complete synthetic store with these parameters exists; nothing to do")
+                    return st
+                if not force:
+                    raise FedfeatError(
+                        f"{out} holds a different store; pass --force to replace it, or choose --out"
+                    )
+        elif not _replaceable(out):  # never delete what fedfeat did not write, even with --force
             raise FedfeatError(
-                f"{out} exists and is not a fedfeat store; pass --force to replace it, or choose --out"
+                f"{out} exists and is not a fedfeat store; choose another --out (or move it away yourself: "
+                "--force replaces stores only)"
             )
-        force = True
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        _write(tmp, p, fingerprint, stats, log)
+        if out.is_dir() and not out.is_symlink():  # the old store goes only once the new one is complete
+            os.replace(out, old)
+        elif out.exists() or out.is_symlink():
+            out.unlink()
+        os.replace(tmp, out)
+    except OSError as e:
+        raise storage_error(
+            e, out, "writing the synthetic store", "free space or choose another --out"
+        ) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    return FeatureStore.open(out)
+
+
+def _replaceable(path: Path) -> bool:
+    """An empty directory, or one left by a run killed inside ``FeatureStore.create`` (a zarr group without
+    store attributes): safe to replace."""
+    if not path.is_dir() or path.is_symlink():
+        return False
+    meta = path / "zarr.json"
+    if not meta.is_file():
+        return not any(path.iterdir())
+    try:
+        doc = json.loads(meta.read_text())
+    except (OSError, ValueError):
+        return False
+    return doc.get("node_type") == "group" and "format_version" not in doc.get("attributes", {})
+
+
+def _write(tmp: Path, p: SynthParams, fingerprint: dict, stats: bool, log) -> None:
+    """Write the complete synthetic store at ``tmp``."""
     gen = SyntheticGenerator(p)
     rng = np.random.RandomState(p.seed)  # dataset order is shuffled, as in real datasets
     labels = {
@@ -206,7 +255,7 @@ def write_synthetic_store(
         for j in range(p.templates)
     ]
     st = FeatureStore.create(
-        out,
+        tmp,
         backbone="synthetic",
         pretrained="none",
         embed_dim=p.dim,
@@ -216,7 +265,6 @@ def write_synthetic_store(
         preprocessing={"kind": "synthetic"},
         fingerprint=fingerprint,
         labels=labels,
-        overwrite=force,
         extra_attrs={"dataset": "synthetic", "synth_params": asdict(p)},
     )
     feats = {}
@@ -239,4 +287,3 @@ def write_synthetic_store(
         st.update_attrs(synthetic_stats=s)
         log("synthetic store statistics: " + ", ".join(f"{k} {v:.3f}" for k, v in s.items()))
     st.mark_complete()
-    return st
