@@ -19,10 +19,25 @@ class _Group(TyperGroup):
     """Prints a ``FedfeatError`` from any subcommand as one line and exits with status 2."""
 
     def invoke(self, ctx):
+        from fedfeat.rundir import Interrupted
+
         try:
             return super().invoke(ctx)
         except FedfeatError as e:
             typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            typer.echo("error: interrupted (Ctrl-C)", err=True)
+            raise typer.Exit(130) from None
+        except Interrupted:
+            typer.echo("error: terminated (SIGTERM)", err=True)
+            raise typer.Exit(143) from None
+        except OSError as e:  # the environment, not fedfeat: a full disk, a read-only filesystem, permissions
+            where = f" ({e.filename})" if e.filename else ""
+            typer.echo(
+                f"error: {e.strerror or e}{where}; free space, or choose a writable location and run again",
+                err=True,
+            )
             raise typer.Exit(2) from None
 
 

@@ -375,10 +375,21 @@ def run_federated(
     device: torch.device | str = "cpu",
     kernel: str = "auto",
     on_round: Callable[[dict], None] | None = None,
+    on_checkpoint: Callable[[int, dict, dict], None] | None = None,
+    checkpoint_every: int = 0,
+    resume: tuple[int, dict, dict] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """Run ``rounds`` federated rounds of ``method``; returns the final weights (``method.final_weights``:
     the global parameters unless the method adds more) and the per-round metrics (round 0 is the evaluation
-    before any training)."""
+    before any training).
+
+    ``on_checkpoint(rnd, glob, state)`` is called after every ``checkpoint_every``-th round (not the last) with
+    everything that persists across rounds (``fedfeat.checkpoint``); ``resume=(rnd, glob, state)`` continues a
+    run from such a checkpoint: rounds ``rnd + 1 ..`` give exactly what the uninterrupted run gave (the random
+    streams are counter-based), and only their metrics are returned.
+
+    A round whose training loss, global weights or evaluated weights are not finite stops the run with a
+    ``FedfeatError`` naming the round and the method."""
     if engine not in ("batched", "loop"):
         raise FedfeatError(f"unknown engine '{engine}'; choose batched or loop")
     if not 0 < participation <= 1:
@@ -392,18 +403,42 @@ def run_federated(
         # compete with the kernel's threads (they cost ~15 % of a round on 2 cores)
         torch.set_num_threads(1)
     try:
-        return _run(method, data, rounds, participation, seed, engine, device, kernel, threads, on_round)
+        return _run(
+            method, data, rounds, participation, seed, engine, device, kernel, threads, on_round,
+            on_checkpoint, checkpoint_every, resume,
+        )  # fmt: skip
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(method, data, rounds, participation, seed, engine, device, kernel, threads, on_round):
+def check_finite(method, ctx: Context, rnd: int, glob: dict, loss: float | None) -> None:
+    """Stop a run whose loss or weights became NaN or inf (a run that looks finished must not hold them)."""
+    what = [] if loss is None or np.isfinite(loss) else ["training loss"]
+    for label, params in (("global", glob), ("evaluated", method.final_weights(ctx, glob))):
+        what += [f"{label} {k}" for k, v in params.items() if not bool(torch.isfinite(v).all())]
+    if what:
+        raise FedfeatError(
+            f"round {rnd} of {method.name}: {', '.join(dict.fromkeys(what))} became non-finite (NaN or inf); "
+            "the run is stopped -- lower the learning rate (--set lr=...) or check the store with "
+            "`fedfeat info --verify`"
+        )
+
+
+def _run(
+    method, data, rounds, participation, seed, engine, device, kernel, threads, on_round,
+    on_checkpoint=None, checkpoint_every=0, resume=None,
+):  # fmt: skip
     ctx = build_context(data, method, seed, device)
     ctx.threads = threads
     K = len(data.class_names)
     method.setup(ctx)
     glob = method.init_global(ctx)
     metrics: list[dict] = []
+    first = 1
+    if resume is not None:  # the checkpoint replaces what setup and init_global made
+        done, glob, state = resume
+        ctx.state.update(state)
+        first = done + 1
 
     def record(rnd: int, t0: float, extra: dict) -> None:
         ev = evaluate(method, ctx, glob, data.test_y, K)
@@ -414,10 +449,11 @@ def _run(method, data, rounds, participation, seed, engine, device, kernel, thre
         if on_round:
             on_round(row)
 
-    t0 = time.perf_counter()
-    record(0, t0, {"clients": [], "train_loss": None, "bytes_up": 0, "bytes_down": 0})
+    if resume is None:
+        record(0, time.perf_counter(), {"clients": [], "train_loss": None, "bytes_up": 0, "bytes_down": 0})
+        check_finite(method, ctx, 0, glob, None)
     total_rounds = rounds if method.federated else 0
-    for rnd in range(1, total_rounds + 1):
+    for rnd in range(first, total_rounds + 1):
         t0 = time.perf_counter()
         clients = method.sample(ctx, rnd, participation)
         plan = make_plan(ctx, rnd, clients, method.p.batch_size, method.p.local_epochs)
@@ -435,6 +471,8 @@ def _run(method, data, rounds, participation, seed, engine, device, kernel, thre
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         train_seconds = time.perf_counter() - t0  # local updates + aggregation + server step (no evaluation)
+        loss = st["loss_sum"] / max(st["loss_steps"], 1)
+        check_finite(method, ctx, rnd, glob, loss)
         up = method.upload_bytes(ctx, plan, cparams)
         down = plan.m * param_bytes(method.broadcast(ctx, glob))
         record(
@@ -442,12 +480,19 @@ def _run(method, data, rounds, participation, seed, engine, device, kernel, thre
             t0,
             {
                 "clients": plan.clients.sort().values.tolist(),
-                "train_loss": st["loss_sum"] / max(st["loss_steps"], 1),
+                "train_loss": loss,
                 "bytes_up": up,
                 "bytes_down": down,
                 "train_seconds": train_seconds,
             },
         )
+        if (
+            on_checkpoint is not None
+            and checkpoint_every > 0
+            and rnd % checkpoint_every == 0
+            and rnd < total_rounds
+        ):
+            on_checkpoint(rnd, glob, ctx.state)
     return method.final_weights(ctx, glob), metrics
 
 

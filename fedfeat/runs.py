@@ -17,10 +17,16 @@ finished.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import math
 import os
 import platform
+import re
+import shlex
 import shutil
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +35,8 @@ import numpy as np
 import tomllib
 import torch
 
+from fedfeat import rundir
+from fedfeat.engine import resolve_device, resolve_kernel
 from fedfeat.errors import FedfeatError
 
 DEFAULTS = {
@@ -49,7 +57,20 @@ DEFAULTS = {
     "out": "runs",
     "name": None,
     "shot_thresholds": None,
+    "store_fingerprint": None,
 }
+TYPES = {
+    "alpha": float,
+    "imbalance_factor": float,
+    "participation": float,
+    "shards": int,
+    "partition_seed": int,
+    "clients": int,
+    "rounds": int,
+    "seed": int,
+}  # every other key is a string
+# settings that do not enter a run's identity hash (the name shows them, or they say where, not what)
+NOT_IN_HASH = ("method", "store", "out", "name", "seed", "store_fingerprint", "params")
 
 
 @dataclass
@@ -71,6 +92,7 @@ class RunConfig:
     partition_seed: int | None = None
     name: str | None = None
     shot_thresholds: str | None = None  # "many,few" counts, e.g. "1500,200" (CIFAR-10-LT) or "100,20"
+    store_fingerprint: str | None = None  # a replayed config's store must have this fingerprint hash
     params: dict = field(default_factory=dict)  # method hyperparameters (--set key=value)
 
 
@@ -78,39 +100,104 @@ def parse_sets(sets: list[str] | None) -> dict:
     out = {}
     for s in sets or []:
         if "=" not in s:
-            raise FedfeatError(f"--set expects key=value, got {s!r}")
+            raise FedfeatError(f"--set expects key=value, got {s!r}; e.g. --set lr=0.01")
         k, v = s.split("=", 1)
         out[k.strip()] = v.strip()
     return out
 
 
+def _check_types(run: dict, where: str) -> None:
+    for k, v in run.items():
+        if v is None:
+            continue
+        want = TYPES.get(k, str)
+        ok = isinstance(v, want) and not isinstance(v, bool)
+        if want is float:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if not ok:
+            example = {"float": "0.5", "int": "10"}.get(want.__name__, '"text"')
+            raise FedfeatError(f"{where}: {k} = {v!r} must be a {want.__name__} (e.g. {k} = {example})")
+
+
+def _read_config(config_file: Path) -> dict:
+    path = Path(config_file)
+    if path.is_dir():
+        raise FedfeatError(
+            f"--config {path} is a directory; pass a config.toml file (e.g. {path}/config.toml)"
+        )
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise FedfeatError(f"config file {path} not found; pass the config.toml of a run") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise FedfeatError(f"cannot read config file {path}: {e}; pass a TOML text file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise FedfeatError(f"config file {path} is not valid TOML: {e}; fix the line it names") from None
+
+
 def resolve_config(cli: dict, config_file: Path | None, sets: list[str] | None) -> RunConfig:
-    """Defaults <- config file <- explicit flags (``None`` in ``cli`` means "not given")."""
+    """Defaults <- config file <- explicit flags (``None`` in ``cli`` means "not given").
+
+    A config file's ``store_fingerprint`` is kept only when ``--store`` is not given: replaying a run checks that
+    its store is the same, while pointing the run at another store on purpose does not."""
     merged = dict(DEFAULTS)
     params: dict = {}
     if config_file is not None:
-        try:
-            data = tomllib.loads(Path(config_file).read_text())
-        except FileNotFoundError:
-            raise FedfeatError(f"config file {config_file} not found") from None
-        except tomllib.TOMLDecodeError as e:
-            raise FedfeatError(f"config file {config_file} is not valid TOML: {e}") from None
+        data = _read_config(config_file)
         run = data.get("run", data)
+        if not isinstance(run, dict):
+            raise FedfeatError(f"config file {config_file}: [run] must be a table of settings")
         unknown = set(run) - set(DEFAULTS) - {"method_params", "params"}
         if unknown:
             raise FedfeatError(
                 f"config file {config_file}: unknown keys {sorted(unknown)}; valid: {sorted(DEFAULTS)}"
             )
-        merged.update({k: v for k, v in run.items() if k in DEFAULTS})
+        run = {k: v for k, v in run.items() if k in DEFAULTS}
+        _check_types(run, f"config file {config_file}")
+        merged.update(run)
+        if not isinstance(data.get("params", {}), dict):
+            raise FedfeatError(f"config file {config_file}: [params] must be a table of key = value")
         params.update(data.get("params", {}))
-    merged.update({k: v for k, v in cli.items() if v is not None})
+    given = {k: v for k, v in cli.items() if v is not None}
+    _check_types(given, "flags")
+    if "store" in given:
+        merged["store_fingerprint"] = None
+    merged.update(given)
     params.update(parse_sets(sets))
-    return RunConfig(**merged, params=params)
+    cfg = RunConfig(**merged, params=params)
+    validate_config(cfg)
+    return cfg
+
+
+def validate_config(cfg: RunConfig) -> None:
+    """Range checks of the run's own settings (the method checks its hyperparameters, the partition its own)."""
+
+    def bad(flag: str, what: str) -> None:
+        raise FedfeatError(f"--{flag.replace('_', '-')} {what}")
+
+    if cfg.clients < 1:
+        bad("clients", f"must be >= 1, got {cfg.clients}")
+    if not (math.isfinite(cfg.participation) and 0 < cfg.participation <= 1):
+        bad("participation", f"must be in (0, 1], got {cfg.participation} (e.g. 0.1 for 10 % of the clients)")
+    if cfg.rounds < 0:
+        bad("rounds", f"must be >= 0, got {cfg.rounds}")
+    if cfg.alpha is not None and not (math.isfinite(cfg.alpha) and cfg.alpha > 0):
+        bad("alpha", f"must be a finite number > 0, got {cfg.alpha} (e.g. 0.1 or 0.5)")
+    if cfg.imbalance_factor is not None and not (
+        math.isfinite(cfg.imbalance_factor) and cfg.imbalance_factor >= 1
+    ):
+        bad("imbalance_factor", f"must be a finite number >= 1, got {cfg.imbalance_factor} (e.g. 100)")
+    if cfg.shards is not None and cfg.shards < 1:
+        bad("shards", f"must be >= 1, got {cfg.shards}")
+    if cfg.name is not None:
+        rundir.check_name(cfg.name)
 
 
 def _toml_value(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
+    if isinstance(v, float) and not math.isfinite(v):
+        return {math.inf: "inf", -math.inf: "-inf"}.get(v, "nan")
     if isinstance(v, (int, float)):
         return repr(v)
     return json.dumps(str(v))
@@ -160,29 +247,86 @@ def group_accuracy(per_class_acc: list[float], test_counts: np.ndarray, groups: 
     return out
 
 
-def default_run_name(cfg: RunConfig, part_key: str) -> str:
-    tag = "".join(f"_{k}={v}" for k, v in sorted(cfg.params.items()))
-    return f"{cfg.method}{tag}__{part_key}__r{cfg.rounds}_p{cfg.participation:g}_seed{cfg.seed}".replace(
-        "/", "-"
+def settings_hash(cfg: RunConfig, method_params: dict, method_defaults: dict) -> str:
+    """8 hex digits of a sha256 over the settings that differ from the defaults (run settings other than those
+    the name shows, method hyperparameters) and the store's fingerprint: stable across replays."""
+    run = {
+        k: v
+        for k, v in dataclasses.asdict(cfg).items()
+        if k not in NOT_IN_HASH and v is not None and v != DEFAULTS.get(k)
+    }
+    params = {k: v for k, v in method_params.items() if method_defaults.get(k, v) != v}
+    blob = json.dumps(
+        {"run": run, "params": params, "store": cfg.store_fingerprint}, sort_keys=True, default=str
     )
+    return hashlib.sha256(blob.encode()).hexdigest()[:8]
 
 
-def train(cfg: RunConfig, *, progress: bool = True, log=print) -> Path:
-    """Run one configuration end to end and write its run directory. Returns the directory."""
-    from safetensors.torch import save_file
+def store_label(store_path: str | Path, attrs: dict) -> str:
+    """A short readable name for a store: its directory name, prefixed by its dataset where that says more
+    (``encode`` puts stores at ``cache/<dataset>/<backbone>-<weights>.zarr``)."""
+    p = Path(store_path)
+    stem = p.name[: -len(".zarr")] if p.name.endswith(".zarr") else p.name
+    ds = attrs.get("dataset")
+    if isinstance(ds, str) and ds not in ("synthetic", "") and ds not in stem:
+        stem = f"{ds}-{stem}"
+    return re.sub(r"[^A-Za-z0-9._+=-]+", "_", stem).strip("._")[:48] or "store"
 
-    from fedfeat.engine import load_run_data, resolve_device, resolve_kernel, run_federated
-    from fedfeat.methods import get_method
-    from fedfeat.plots import plot_curves
-    from fedfeat.report import store_partition
+
+def default_run_name(
+    cfg: RunConfig, method_params: dict, method_defaults: dict, store_attrs: dict, part_key: str
+) -> str:
+    """``method__store__partition__seedS__hash``: what a run is, in a name that stays short (the hash stands for
+    every other non-default setting; ``config.toml`` has them all)."""
+    h = settings_hash(cfg, method_params, method_defaults)
+    return f"{cfg.method}__{store_label(cfg.store, store_attrs)}__{part_key}__seed{cfg.seed}__{h}"
+
+
+def _provenance() -> dict:
+    """fedfeat's version, the git commit when run from a checkout (``+dirty`` with local changes), the command."""
+    import fedfeat
+
+    out = {"fedfeat": fedfeat.__version__, "command": shlex.join(sys.argv), "cwd": os.getcwd()}
+    repo = Path(fedfeat.__file__).resolve().parent.parent
+    if (repo / ".git").exists():
+        try:
+            head = subprocess.run(
+                ["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            dirty = subprocess.run(
+                ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            if head:
+                out["git_commit"] = head + ("+dirty" if dirty else "")
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return out
+
+
+def open_store(cfg: RunConfig):
+    """The run's store, read-only; a replayed config's store must have the recorded fingerprint."""
     from fedfeat.store import FeatureStore
 
-    method = get_method(cfg.method, cfg.params)
-    device = resolve_device(cfg.device)
-    kernel = resolve_kernel(cfg.kernel, method, cfg.engine, device)  # before anything is written
-    if cfg.rounds < 0:
-        raise FedfeatError("--rounds must be >= 0")
-    store = FeatureStore.open(cfg.store, mode="r+")
+    store = FeatureStore.open(cfg.store, mode="r")
+    have = store.attrs.get("fingerprint_hash")
+    if cfg.store_fingerprint is not None and have != cfg.store_fingerprint:
+        raise FedfeatError(
+            f"store {cfg.store} has fingerprint {have}, but the config was run on a store with fingerprint "
+            f"{cfg.store_fingerprint}; pass --store to run it on this store anyway, or point it at the original"
+        )
+    cfg.store = str(Path(cfg.store).resolve())  # config.toml works from any working directory
+    cfg.store_fingerprint = have
+    return store
+
+
+def run_partition(store, cfg: RunConfig, save: bool):
+    """``(key, Partition, stored)``: computed in memory (the store is opened read-only); saved into the store
+    only when asked (``--save-partition``) and the store is writable."""
+    from fedfeat.report import store_partition
+
     key, part = store_partition(
         store,
         scheme=cfg.partition,
@@ -191,77 +335,259 @@ def train(cfg: RunConfig, *, progress: bool = True, log=print) -> Path:
         shards=cfg.shards,
         imbalance_factor=cfg.imbalance_factor,
         seed=cfg.partition_seed,
+        save=False,
     )
-    centralized = getattr(method, "centralized", False)
-    data = load_run_data(store, part, device=device, centralized=centralized)
-    name = cfg.name or default_run_name(cfg, key)
-    out = Path(cfg.out)
-    final = out / name
-    tmp = out / f".tmp-{name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    (tmp / "config.toml").write_text(config_toml(cfg, dataclasses.asdict(method.p)))
-    groups = shot_groups(data.train_counts.cpu().numpy(), cfg.shot_thresholds)
-    test_counts = np.bincount(data.test_y.cpu().numpy(), minlength=len(data.class_names))
-    mfile = open(tmp / "metrics.jsonl", "w")  # noqa: SIM115 (closed below)
-    bar = None
-    if progress:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    stored = key in store.partition_keys()
+    if save and not stored:
+        from fedfeat.store import FeatureStore
 
-        bar = Progress(
-            TextColumn(f"[bold]{cfg.method}[/bold] {key}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("acc {task.fields[acc]}"),
-            TimeElapsedColumn(),
-            transient=False,
-        )
-        task = bar.add_task("rounds", total=cfg.rounds if method.federated else 0, acc="-")
-        bar.start()
+        try:
+            FeatureStore.open(cfg.store, mode="r+").save_partition(part, key=key)
+        except OSError as e:
+            raise FedfeatError(
+                f"cannot save partition {key} into store {cfg.store}: {e.strerror}; drop --save-partition "
+                "(the run keeps its partition in its own directory)"
+            ) from None
+        stored = True
+    return key, part, stored
 
-    def on_round(row: dict) -> None:
-        if groups is not None:
-            row.update(group_accuracy(row["per_class_acc"], test_counts, groups))
-        mfile.write(json.dumps(row) + "\n")
-        mfile.flush()
-        if bar is not None:
-            bar.update(task, completed=row["round"], acc=f"{row['test_acc']:.2f}%")
 
-    t0 = time.perf_counter()
+CHECKPOINT = "checkpoint.safetensors"
+# every 5 rounds: an FST-CBDG checkpoint at the CIFAR-10 shape (soft labels [50000, 10] + the head) costs ~1/4 of
+# a 10 %-participation round, so 5 rounds keep it near 5 % (`python bench/bench_checkpoint.py`, BENCHMARKS.md)
+CHECKPOINT_EVERY = 5
+
+
+def _resume_target(path: str | Path) -> tuple[Path, str]:
+    p = Path(path)
+    name = p.name[len(rundir.PARTIAL) :] if p.name.startswith(rundir.PARTIAL) else p.name
+    return p.parent, name
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            break  # a row cut short by a kill: it and anything after it are redone
+    return rows
+
+
+def train(
+    cfg: RunConfig | None,
+    *,
+    resume: str | Path | None = None,
+    overwrite: bool = False,
+    checkpoint_every: int | None = None,
+    save_partition: bool = False,
+    progress: bool = True,
+    log=print,
+) -> Path:
+    """Run one configuration end to end and write its run directory (``fedfeat.rundir``). Returns it.
+
+    ``resume``: a run directory (``OUT/NAME``, or its ``OUT/.partial-NAME``) whose run was interrupted; it goes
+    on from its last checkpoint with its own config.toml, and ends with the metrics and weights of an
+    uninterrupted run."""
+    from fedfeat import checkpoint
+    from fedfeat.methods import get_method
+
+    if resume is not None:
+        out, name = _resume_target(resume)
+        rd = rundir.RunDir(out, name)
+        if not (rd.partial / "config.toml").is_file():
+            if (rd.final / "summary.json").is_file():
+                raise FedfeatError(f"run {rd.final} is finished; there is nothing to resume")
+            raise FedfeatError(
+                f"no unfinished run at {resume} (looked for {rd.partial}); `fedfeat report {out} --all` lists them"
+            )
+        cfg = resolve_config({}, rd.partial / "config.toml", None)
+        cfg.out, cfg.name = str(out), name
+    if checkpoint_every is None:
+        checkpoint_every = CHECKPOINT_EVERY
+    if checkpoint_every < 0:
+        raise FedfeatError(f"--checkpoint-every must be >= 0 (0: no checkpoints), got {checkpoint_every}")
+    method = get_method(cfg.method, cfg.params)
+    method_params = dataclasses.asdict(method.p)
+    method_defaults = dataclasses.asdict(type(method).Params())
+    device = resolve_device(cfg.device)
+    kernel = resolve_kernel(cfg.kernel, method, cfg.engine, device)  # before anything is written
+    store = open_store(cfg)
+    key, part, stored = run_partition(store, cfg, save_partition)
+    name = cfg.name or default_run_name(cfg, method_params, method_defaults, store.attrs, key)
+    out = rundir.check_out(cfg.out)
+    rd = rundir.RunDir(out, name)
+    rd.lock.acquire()
     try:
-        glob, metrics = run_federated(
-            method,
-            data,
-            rounds=cfg.rounds,
-            participation=1.0 if centralized else cfg.participation,
-            seed=cfg.seed,
-            engine=cfg.engine,
-            kernel=cfg.kernel,
-            device=device,
-            on_round=on_round,
-        )
+        with rundir.sigterm_as_exception():
+            return _train_locked(
+                cfg, method, method_params, device, kernel, store, key, part, stored, rd,
+                resume is not None, overwrite, checkpoint_every, progress, log, checkpoint,
+            )  # fmt: skip
     finally:
-        mfile.close()
-        if bar is not None:
-            bar.stop()
-    wall = time.perf_counter() - t0
-    save_file(
-        {k: v.detach().cpu().contiguous() for k, v in glob.items()},
-        tmp / "weights.safetensors",
+        rd.lock.release()
+
+
+def _train_locked(
+    cfg, method, method_params, device, kernel, store, key, part, stored, rd, resuming, overwrite,
+    checkpoint_every, progress, log, checkpoint,
+):  # fmt: skip
+    from safetensors.torch import save_file
+
+    from fedfeat.engine import load_run_data, run_federated
+    from fedfeat.plots import plot_curves
+
+    rd.recover()
+    ckpt = rd.partial / CHECKPOINT
+    start = None
+    if not resuming:
+        if rd.final.exists() and not overwrite:
+            raise FedfeatError(
+                f"run directory {rd.final} exists; pass --overwrite to replace it (atomically: the old run stays "
+                "until the new one is complete) or --name for another name"
+            )
+        if rd.partial.exists():
+            if not overwrite:
+                at = checkpoint.read_meta(ckpt)["round"] if ckpt.is_file() else "none"
+                raise FedfeatError(
+                    f"an unfinished run {rd.name} exists in {rd.out} (checkpointed round: {at}); resume it with "
+                    f"`fedfeat train --resume {rd.final}` or pass --overwrite to start it again"
+                )
+            shutil.rmtree(rd.partial)
+    elif rd.final.exists() and not overwrite:
+        raise FedfeatError(
+            f"run directory {rd.final} exists (a finished run of that name); pass --overwrite to let the resumed "
+            "run replace it"
+        )
+    try:
+        if resuming:
+            if ckpt.is_file():
+                start = checkpoint.load(ckpt, device)
+        else:
+            rd.partial.mkdir()
+            (rd.partial / "config.toml").write_text(config_toml(cfg, method_params))
+            if not stored:
+                from fedfeat.partition import to_json
+
+                to_json(part, rd.partial / "partition.json")  # computed here: kept with the run
+        centralized = getattr(method, "centralized", False)
+        data = load_run_data(store, part, device=device, centralized=centralized)
+        groups = shot_groups(data.train_counts.cpu().numpy(), cfg.shot_thresholds)
+        test_counts = np.bincount(data.test_y.cpu().numpy(), minlength=len(data.class_names))
+        mpath = rd.partial / "metrics.jsonl"
+        done = start[0] if start else 0
+        if resuming:  # rows after the checkpoint are redone
+            old = _read_metrics(mpath) if mpath.is_file() else []
+            kept = [r for r in old if r["round"] <= done] if start else []
+            tmp = mpath.with_name(".metrics.jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            os.replace(tmp, mpath)
+            log(f"resuming {rd.name} after round {done} of {cfg.rounds}")
+        mfile = open(mpath, "a")  # noqa: SIM115 (closed below)
+        bar = _progress_bar(cfg, method, key, done) if progress else None
+        ck_seconds = [0.0]
+
+        def on_round(row: dict) -> None:
+            if groups is not None:
+                row.update(group_accuracy(row["per_class_acc"], test_counts, groups))
+            mfile.write(json.dumps(row) + "\n")
+            mfile.flush()
+            if bar is not None:
+                bar[0].update(bar[1], completed=row["round"], acc=f"{row['test_acc']:.2f}%")
+            rundir.fault_point(f"after-round-{row['round']}")
+
+        def on_checkpoint(rnd: int, glob: dict, state: dict) -> None:
+            t = time.perf_counter()
+            os.fsync(mfile.fileno())  # the metrics rows the checkpoint stands on are on disk first
+            checkpoint.save(ckpt, rnd, glob, state)
+            ck_seconds[0] += time.perf_counter() - t
+
+        t0 = time.perf_counter()
+        try:
+            glob, _ = run_federated(
+                method,
+                data,
+                rounds=cfg.rounds,
+                participation=1.0 if centralized else cfg.participation,
+                seed=cfg.seed,
+                engine=cfg.engine,
+                kernel=cfg.kernel,
+                device=device,
+                on_round=on_round,
+                on_checkpoint=on_checkpoint,
+                checkpoint_every=checkpoint_every,
+                resume=start,
+            )
+        finally:
+            mfile.close()
+            if bar is not None:
+                bar[0].stop()
+        wall = time.perf_counter() - t0
+        metrics = _read_metrics(mpath)
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in glob.items()}, rd.partial / "weights.safetensors"
+        )
+        plot_curves(
+            {cfg.method: ([r["round"] for r in metrics], [r["test_acc"] for r in metrics])},
+            rd.partial / "curve.png",
+            title=f"{cfg.method} on {Path(cfg.store).name}, {key}",
+        )
+        summary = _summary(cfg, method, method_params, kernel, device, key, rd.name, metrics, wall, store)
+        summary["checkpoint_seconds"] = ck_seconds[0]
+        if start:
+            summary["resumed_after_round"] = done
+        ckpt.unlink(missing_ok=True)  # a finished run needs none
+        _write_atomic(rd.partial / "summary.json", json.dumps(summary, indent=2))
+        rundir.fault_point("before-publish")
+        rd.publish(overwrite)
+    except BaseException as e:
+        if ckpt.is_file() and isinstance(e, (KeyboardInterrupt, rundir.Interrupted, OSError)):
+            log(f"interrupted after a checkpoint; resume with: fedfeat train --resume {rd.final}")
+        elif not resuming:  # nothing to resume: this process's partial directory goes
+            shutil.rmtree(rd.partial, ignore_errors=True)
+        raise
+    accs = [r["test_acc"] for r in metrics]
+    log(
+        f"run: {rd.final}  (final acc {accs[-1]:.2f}%, best {max(accs):.2f}% at round {summary['best_round']}, "
+        f"{wall:.1f} s)"
     )
-    plot_curves(
-        {cfg.method: ([r["round"] for r in metrics], [r["test_acc"] for r in metrics])},
-        tmp / "curve.png",
-        title=f"{cfg.method} on {Path(cfg.store).name}, {key}",
+    return rd.final
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _progress_bar(cfg: RunConfig, method, key: str, done: int):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(
+        TextColumn(f"[bold]{cfg.method}[/bold] {key}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("acc {task.fields[acc]}"),
+        TimeElapsedColumn(),
+        transient=False,
     )
+    task = bar.add_task("rounds", total=cfg.rounds if method.federated else 0, completed=done, acc="-")
+    bar.start()
+    return bar, task
+
+
+def _summary(cfg, method, method_params, kernel, device, key, name, metrics, wall, store) -> dict:
     accs = [r["test_acc"] for r in metrics]
     last = metrics[-1]
-    summary = {
+    return {
         "name": name,
         "method": cfg.method,
         "uses_labels": method.uses_labels,
         "store": str(cfg.store),
+        "store_fingerprint": store.attrs.get("fingerprint_hash"),
         "partition": key,
         "clients": cfg.clients,
         "participation": cfg.participation,
@@ -277,53 +603,134 @@ def train(cfg: RunConfig, *, progress: bool = True, log=print) -> Path:
         **{k: last[k] for k in ("many_acc", "medium_acc", "few_acc", "pseudo_label_acc") if k in last},
         "bytes_up": int(sum(r["bytes_up"] for r in metrics)),
         "bytes_down": int(sum(r["bytes_down"] for r in metrics)),
-        "seconds": wall,  # everything: loading, set-up, kernel compilation on first use, all rounds
+        "seconds": wall,  # this process: loading, set-up, kernel compilation on first use, its rounds
         # the median round (training + evaluation): one-time costs (a kernel compiled in round 1) left out
         "seconds_per_round": (
             float(np.median([r["seconds"] for r in metrics[1:]]))
             if len(metrics) > 1
             else wall / max(cfg.rounds, 1)
         ),
-        "params": dataclasses.asdict(method.p),
+        "params": method_params,
         "env": {
             "torch": torch.__version__,
             "python": platform.python_version(),
             "machine": platform.machine(),
         },
+        "provenance": _provenance(),
     }
-    (tmp / "summary.json").write_text(json.dumps(summary, indent=2))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    log(
-        f"run: {final}  (final acc {accs[-1]:.2f}%, best {max(accs):.2f}% at round {summary['best_round']}, {wall:.1f} s)"
-    )
-    return final
+
+
+SUMMARY_KEYS = ("method", "partition", "rounds", "initial_acc", "final_acc", "best_acc", "seconds_per_round",
+                "bytes_up", "params")  # fmt: skip
 
 
 def load_run(path: Path) -> tuple[dict, list[dict]]:
-    s = Path(path) / "summary.json"
+    """``(summary, metrics)`` of a finished run; a ``FedfeatError`` names what is missing or damaged."""
+    path = Path(path)
+    s = path / "summary.json"
     if not s.is_file():
         raise FedfeatError(f"{path} is not a finished run directory (no summary.json)")
-    metrics = [json.loads(line) for line in (Path(path) / "metrics.jsonl").read_text().splitlines() if line]
-    return json.loads(s.read_text()), metrics
+    try:
+        summary = json.loads(s.read_text())
+    except (OSError, ValueError) as e:
+        raise FedfeatError(f"{s} is unreadable ({e}); re-run it, or delete the directory") from None
+    if not isinstance(summary, dict) or any(k not in summary for k in SUMMARY_KEYS):
+        raise FedfeatError(f"{s} lacks the keys of a fedfeat summary; re-run it, or delete the directory")
+    m = path / "metrics.jsonl"
+    try:
+        metrics = [json.loads(line) for line in m.read_text().splitlines() if line]
+    except (OSError, ValueError) as e:
+        raise FedfeatError(
+            f"{m} is missing or unreadable ({e}); re-run it, or delete the directory"
+        ) from None
+    if not metrics or not all(isinstance(r, dict) and "round" in r and "test_acc" in r for r in metrics):
+        raise FedfeatError(f"{m} holds no per-round rows; re-run it, or delete the directory")
+    return summary, metrics
 
 
-def report(paths: list[Path], *, fmt: str = "markdown", plot: Path | None = None) -> str:
-    """A comparison table of finished runs (markdown or CSV) and, optionally, all their curves in one PNG."""
+def _looks_like_run(p: Path) -> bool:
+    return (
+        p.is_dir()
+        and not p.name.startswith(".")
+        and any((p / f).exists() for f in ("summary.json", "metrics.jsonl", "config.toml"))
+    )
+
+
+def unfinished_runs(parents: list[Path]) -> list[dict]:
+    """Runs being written or interrupted (``OUT/.partial-NAME``): name, method, rounds recorded, checkpoint."""
+    from fedfeat import checkpoint
+
+    out = []
+    for parent in parents:
+        parent = Path(parent)
+        if not parent.is_dir():
+            continue
+        for q in sorted(parent.glob(f"{rundir.PARTIAL}*")):
+            name = q.name[len(rundir.PARTIAL) :]
+            row = {"name": name, "path": str(parent / name), "method": "?", "rounds": "?", "recorded": 0}
+            try:
+                run = tomllib.loads((q / "config.toml").read_text()).get("run", {})
+                row.update(method=run.get("method", "?"), rounds=run.get("rounds", "?"))
+            except (OSError, ValueError):
+                pass
+            if (q / "metrics.jsonl").is_file():
+                row["recorded"] = max(0, len(_read_metrics(q / "metrics.jsonl")) - 1)
+            ck = q / CHECKPOINT
+            try:
+                row["checkpoint"] = int(checkpoint.read_meta(ck)["round"]) if ck.is_file() else None
+            except FedfeatError:
+                row["checkpoint"] = None
+            lock = parent / f"{rundir.LOCK}{name}"
+            row["state"] = (
+                "running"
+                if lock.exists() and not rundir.Lock._stale(rundir.Lock(lock, "")._holder())
+                else "interrupted"
+            )
+            out.append(row)
+    return out
+
+
+def report(
+    paths: list[Path],
+    *,
+    fmt: str = "markdown",
+    plot: Path | None = None,
+    all_runs: bool = False,
+    warn=None,
+) -> str:
+    """A comparison table of finished runs (markdown or CSV) and, optionally, all their curves in one PNG.
+
+    A path is a run directory or a parent of run directories; hidden entries (runs being written, temporary
+    files) are never read as runs. A run that cannot be read is skipped with a one-line warning (``warn``); the
+    report fails only when no run is readable. ``all_runs`` adds the unfinished runs (interrupted or running)."""
     from fedfeat.plots import plot_curves
 
     if fmt not in ("markdown", "csv"):
         raise FedfeatError(f"unknown format '{fmt}'; choose markdown or csv")
-    runs = []
+    warn = warn or (lambda msg: print(msg, file=sys.stderr))
+    runs, candidates, parents = [], [], []
     for p in paths:
         p = Path(p)
-        if p.is_dir() and not (p / "summary.json").exists():  # a parent of run dirs
-            runs += [load_run(q) + (q,) for q in sorted(p.iterdir()) if (q / "summary.json").is_file()]
+        if not p.exists():
+            warn(f"warning: {p} does not exist; skipped")
+        elif p.is_dir() and not _looks_like_run(p):  # a parent of run dirs
+            parents.append(p)
+            candidates += [q for q in sorted(p.iterdir()) if _looks_like_run(q)]
         else:
-            runs.append(load_run(p) + (p,))
+            candidates.append(p)
+    for q in candidates:
+        try:
+            runs.append(load_run(q) + (q,))
+        except FedfeatError as e:
+            warn(f"warning: skipped {q}: {e}")
+    unfinished = unfinished_runs(parents) if all_runs else []
+    if not runs and not unfinished:
+        raise FedfeatError(
+            "no readable finished runs in the given paths; pass run directories or their parent "
+            "(`--all` also lists unfinished runs)"
+        )
     if not runs:
-        raise FedfeatError("no finished runs found in the given paths")
+        return _unfinished_table(unfinished, fmt)
     has_lt = any("many_acc" in s for s, _, _ in runs)
     has_pl = any(s.get("pseudo_label_acc") is not None for s, _, _ in runs)
     cols = ["method", "settings", "partition", "labels", "rounds", "round-0 acc", "final acc", "best acc"]
@@ -360,18 +767,31 @@ def report(paths: list[Path], *, fmt: str = "markdown", plot: Path | None = None
                 label += f" ({Path(p).name[-24:]})"
             curves[label] = ([r["round"] for r in m], [r["test_acc"] for r in m])
         plot_curves(curves, plot, title="test accuracy")
+    text = _table(cols, rows, fmt)
+    return text + ("\n\n" + _unfinished_table(unfinished, fmt) if unfinished else "")
+
+
+def _table(cols: list[str], rows: list[list[str]], fmt: str) -> str:
+    """Markdown or CSV."""
     if fmt == "csv":
         import csv
         import io
 
         buf = io.StringIO()
-        w = csv.writer(buf)
-        w.writerow(cols)
-        w.writerows(rows)
+        csv.writer(buf).writerows([cols, *rows])
         return buf.getvalue()
     out = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(out)
+    return "\n".join(out + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def _unfinished_table(rows: list[dict], fmt: str) -> str:
+    cols = ["unfinished run", "method", "state", "rounds recorded", "checkpoint", "resume with"]
+    cells = [
+        [r["name"], str(r["method"]), r["state"], f"{r['recorded']}/{r['rounds']}",
+         "-" if r["checkpoint"] is None else f"round {r['checkpoint']}", f"fedfeat train --resume {r['path']}"]
+        for r in rows
+    ]  # fmt: skip
+    return _table(cols, cells, fmt)
 
 
 def _fmt(v) -> str:

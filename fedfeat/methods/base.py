@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass
 
@@ -28,7 +29,7 @@ def _coerce(field: dataclasses.Field, value, hints: dict):
     """Parse a ``--set key=value`` string (or a TOML value) into the field's type."""
     typ = hints.get(field.name, field.type)
     if not isinstance(value, str):
-        return value
+        return _check_type(typ, value)
     origin = typing.get_origin(typ)
     args = [a for a in typing.get_args(typ) if a is not type(None)]
     if origin is typing.Union or str(origin) == "types.UnionType":
@@ -50,6 +51,35 @@ def _coerce(field: dataclasses.Field, value, hints: dict):
     return value
 
 
+def _check_type(typ, value):
+    """A TOML value (already typed) must have the field's type: no ``lr = true``, no ``batch_size = 1.5``."""
+    origin = typing.get_origin(typ)
+    if origin is typing.Union or str(origin) == "types.UnionType":
+        if value is None:
+            return None
+        typ = next(a for a in typing.get_args(typ) if a is not type(None))
+        origin = typing.get_origin(typ)
+    if origin is typing.Literal:
+        if value not in typing.get_args(typ):
+            raise ValueError(value)
+        return value
+    if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if typ is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if typ in (bool, str) and isinstance(value, typ):
+        return value
+    if typ in (bool, int, float, str):
+        raise TypeError(value)
+    return value
+
+
+def _type_name(typ) -> str:
+    if typing.get_origin(typ) is typing.Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(typ)))
+    return getattr(typ, "__name__", str(typ))
+
+
 def make_params(cls: type[Method], overrides: dict) -> object:
     P = cls.Params
     fields = {f.name: f for f in dataclasses.fields(P)}
@@ -65,9 +95,13 @@ def make_params(cls: type[Method], overrides: dict) -> object:
             kw[key] = _coerce(fields[key], v, hints)
         except (TypeError, ValueError):
             raise FedfeatError(
-                f"bad value {v!r} for {cls.name}.{key} (expected {hints.get(key, fields[key].type)})"
+                f"bad value {v!r} for {cls.name}.{key}: expected {_type_name(hints.get(key, fields[key].type))}, "
+                f"e.g. --set {key}={fields[key].default}"
             ) from None
     p = P(**kw)
+    for k, v in dataclasses.asdict(p).items():
+        if isinstance(v, float) and not math.isfinite(v):
+            raise FedfeatError(f"{cls.name}.{k} = {v} is not finite; hyperparameters must be finite numbers")
     if hasattr(p, "validate"):
         p.validate()
     return p
