@@ -9,7 +9,7 @@ must:
 * touch nothing outside its targets: every file and directory under the case's ``tmp_path`` (sentinel
   "valuables" included) that is not under a target keeps its size and mtime, nothing new appears there;
 * leave nothing looking complete: no new ``summary.json``, no new store whose ``complete`` flag is set, no
-  ``.tmp-*`` or ``.lock-*`` leftovers under its targets; where a malicious input would create a marker file,
+  ``.tmp-*``, ``.lock-*``, ``.partial-*`` or ``.old-*`` leftovers under its targets; where a malicious input would create a marker file,
   the marker does not exist.
 
 A case is a row: an id, a setup function (``Workspace -> Setup``: prepares files under ``tmp_path`` and
@@ -141,11 +141,15 @@ class Workspace:
         shutil.copytree(self.clip["c10"], dst)
         return dst
 
-    def train(self, *extra, out: Path | None = None, store: Path | None = None, method="fedavg") -> Setup:
+    def train(
+        self, *extra, out: Path | None = None, store: Path | None = None, method="fedavg", damaged=False
+    ) -> Setup:
+        """``fedfeat train`` on a copy of the store (or ``store``). The copy is a target (training stores its
+        partition there); a ``damaged`` store is not: a refused store is left as it was."""
         out = out or self.tmp / "out"
         store = store or self.store()
         argv = ["train", "--method", method, "--store", store, "--out", out, *FAST, *extra]
-        return Setup(argv, targets=[out, store])
+        return Setup(argv, targets=[out] if damaged else [out, store])
 
     def encode(self, *extra, root: Path | None = None, dataset="cifar10", backbone=None, pretrained=None):
         tc = self.clip["tc"]
@@ -265,6 +269,20 @@ def same_name_twice(w: Workspace) -> Setup:
     return s
 
 
+def same_command_twice(w: Workspace) -> Setup:
+    s = w.train("--partition", "iid", "--seed", "3")
+    first = runner.invoke(app, [str(a) for a in s.argv])
+    assert first.exit_code == 0, first.output
+    (done,) = [p for p in s.targets[0].iterdir() if (p / "summary.json").is_file()]
+    before = {p.name: p.read_bytes() for p in done.iterdir() if p.is_file()}
+
+    def check(w: Workspace) -> None:
+        assert {p.name: p.read_bytes() for p in done.iterdir() if p.is_file()} == before, "first run changed"
+
+    s.check = check
+    return s
+
+
 # ---------------------------------------------------------------------------------------- train: store defects
 def deleted_chunk(w: Workspace) -> Path:
     path = w.store()
@@ -275,7 +293,7 @@ def deleted_chunk(w: Workspace) -> Path:
 
 
 def missing_chunk_train(w: Workspace) -> Setup:
-    return w.train("--partition", "iid", store=deleted_chunk(w))
+    return w.train("--partition", "iid", store=deleted_chunk(w), damaged=True)
 
 
 def missing_chunk_info(w: Workspace) -> Setup:
@@ -285,13 +303,13 @@ def missing_chunk_info(w: Workspace) -> Setup:
 def other_version(w: Workspace) -> Setup:
     path = w.store()
     _set_attr(path, format_version=99)
-    return w.train("--partition", "iid", store=path)
+    return w.train("--partition", "iid", store=path, damaged=True)
 
 
 def incomplete(w: Workspace) -> Setup:
     path = w.store()
     _set_attr(path, complete=False)
-    return w.train("--partition", "iid", store=path)
+    return w.train("--partition", "iid", store=path, damaged=True)
 
 
 def not_a_store(w: Workspace) -> Path:
@@ -392,11 +410,12 @@ CASES = [
     C("name-slash", name_case(lambda w: "a/b"), r"name", r"--name"),
     C("config-absolute-name", config_abs_name, r"name", r"name"),
     # ---- defect 2: the same name twice
-    C("name-twice", same_name_twice, r"dup", r"--overwrite"),
+    C("name-exists", same_name_twice, r"dup", r"--overwrite"),
+    C("same-command-twice", same_command_twice, r"exists", r"--overwrite"),
     # ---- defect 4: non-finite features and hyperparameters
-    C("nan-train-features", lambda w: T(w, "--partition", "iid", store=_nan_store(w, "train")),
+    C("nan-train-features", lambda w: T(w, "--partition", "iid", store=_nan_store(w, "train"), damaged=True),
       (r"train", r"features", r"\b5\b", r"nan|finite")),
-    C("inf-text-features", lambda w: T(w, "--partition", "iid", store=_nan_store(w, "text")),
+    C("inf-text-features", lambda w: T(w, "--partition", "iid", store=_nan_store(w, "text"), damaged=True),
       (r"text", r"features", r"inf|finite")),
     C("set-lr-nan", lambda w: T(w, "--set", "lr=nan"), r"\blr\b", r"finite"),
     C("set-logit-scale-inf", lambda w: T(w, "--set", "logit_scale=inf"), r"logit_scale", r"finite"),
@@ -414,12 +433,16 @@ CASES = [
     C("set-unknown-key", lambda w: T(w, "--set", "lrr=1"), r"lrr", r"valid"),
     C("set-lr-abc", lambda w: T(w, "--set", "lr=abc"), r"abc", r"float|number"),
     C("set-lr-negative", lambda w: T(w, "--set", "lr=-1"), r"\blr\b", r"> ?0|positive"),
+    C("set-batch-size-zero", lambda w: T(w, "--set", "batch_size=0"), r"batch_size", r">= ?1"),
+    C("set-batch-size-fraction", lambda w: T(w, "--set", "batch_size=1.5"), r"1\.5", r"int"),
     C("set-momentum-negative", lambda w: T(w, "--set", "momentum=-1"), r"momentum", r">=? ?0|\[0"),
     C("set-sampling-maybe", lambda w: T(w, "--set", "sampling=maybe", method="fst-cbdg"), r"sampling",
       r"bool|true|false"),
     # ---- partition parameters through train
     C("alpha-zero", lambda w: T(w, "--alpha", "0"), r"alpha", r"positive|> ?0"),
     C("alpha-negative", lambda w: T(w, "--alpha", "-1"), r"alpha", r"positive|> ?0"),
+    C("alpha-nan", lambda w: T(w, "--alpha", "nan"), r"alpha", r"finite|positive|> ?0"),
+    C("imbalance-factor-below-one", lambda w: T(w, "--imbalance-factor", "0.5"), r"imbalance", r">= ?1"),
     C("clients-zero", lambda w: T(w, "--clients", "0"), r"clients", r">= ?1|at least|positive"),
     C("clients-more-than-samples", lambda w: T(w, "--partition", "iid", "--clients", "100000"),
       r"clients", r"at most"),
@@ -452,6 +475,12 @@ CASES = [
       "--quiet"]), r"not valid TOML", r"config"),
     C("config-unknown-key", lambda w: Setup(["train", "--config", _config(w, "[run]\nbogus = 1\n"),
       "--quiet"]), r"bogus", r"valid"),
+    C("config-params-wrong-type", lambda w: Setup(["train", "--config", _config(w, _run_cfg(
+        w, w.store(), w.tmp / "out") + '[params]\nlr = "fast"\n'), "--quiet"],
+        targets=[w.tmp / "out", w.tmp / "store.zarr"]), r"\blr\b", r"float"),
+    C("config-dotdot-name", lambda w: Setup(["train", "--config", _config(w, _run_cfg(
+        w, w.store(), w.tmp / "a" / "out", 'name = ".."\n')), "--quiet"],
+        targets=[w.tmp / "a" / "out", w.tmp / "store.zarr"]), r"name", r"name"),
     C("out-is-a-file", lambda w: T(w, out=_config(w, "not a dir\n", "outfile")), r"--out",
       r"directory"),
     # ---- partition command
@@ -493,6 +522,11 @@ CASES = [
     C("encode-unknown-dataset", lambda w: w.encode(dataset="mnist"), r"mnist", r"cifar10"),
     C("encode-unknown-backbone", lambda w: w.encode(backbone="NopeNet-9"), r"NopeNet-9",
       r"ViT|RN50|open_clip"),
+    C("encode-unknown-device", lambda w: w.encode_flag("--device", "tpu"), r"tpu", r"cpu"),
+    C("encode-unknown-templates", lambda w: w.encode_flag("--templates", "no-such-set"), r"no-such-set",
+      r"cifar|\{\}"),
+    C("encode-empty-imagefolder", lambda w: w.encode(dataset="imagefolder", root=w.keep(w.tmp / "imgs")),
+      r"imgs", r"expected"),
     C("encode-workers-negative", lambda w: w.encode_flag("--workers", "-1"), r"--workers", r">= ?0"),
     C("encode-batch-size-zero", lambda w: w.encode_flag("--batch-size", "0"), r"--batch-size", r">= ?1"),
     C("encode-chunk-rows-zero", lambda w: w.encode_flag("--chunk-rows", "0"), r"--chunk-rows", r">= ?1"),
@@ -545,7 +579,7 @@ def snapshot(root: Path, skip: list[Path]) -> dict:
 
 def complete_things(roots: list[Path]) -> dict:
     """What looks complete under ``roots``: summary.json files and stores whose complete flag is set
-    (path -> bytes), and leftovers of half-written work (.tmp-*, .lock-*)."""
+    (path -> bytes), and leftovers of half-written work (.tmp-*, .lock-*, .partial-*, .old-*)."""
     found = {}
     for r in roots:
         r = Path(r)
@@ -560,7 +594,7 @@ def complete_things(roots: list[Path]) -> dict:
                         found[str(p)] = "complete store"
                 except ValueError:
                     pass
-            elif p.name.startswith((".tmp-", ".lock-")):
+            elif p.name.startswith((".tmp-", ".lock-", ".partial-", ".old-")):
                 found[str(p)] = "leftover"
     return found
 
@@ -605,7 +639,8 @@ def assert_refused(case: Case, code: int, output: str) -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_bad_input_is_refused(case: Case, base, tmp_path, request):
+def test_bad_input_is_refused(case: Case, base, tmp_path, request, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a default path (runs/, cache/) would land under tmp_path, and be seen
     w = Workspace(tmp_path, base, request)
     s = case.setup(w)
     targets = [Path(t) for t in s.targets]
