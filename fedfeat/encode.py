@@ -527,9 +527,9 @@ def _encode_chunks(
             if bad and not skip_bad:
                 raise FedfeatError(errors[bad[0]])
             feats = clip.encode_images(images).numpy()  # [B, D] float32
-            nonfinite = [
-                k for k in np.flatnonzero(~np.isfinite(feats.astype(np.float16)).all(axis=1)) if k not in bad
-            ]
+            with np.errstate(over="ignore"):  # what the store keeps: float16 (overflow -> inf)
+                finite = np.isfinite(feats.astype(np.float16)).all(axis=1)
+            nonfinite = [k for k in np.flatnonzero(~finite) if k not in bad]
             if nonfinite and not skip_bad:
                 raise FedfeatError(
                     f"the model's features of image {ds.describe(*keys[nonfinite[0]])} are not finite (NaN or "

@@ -306,14 +306,19 @@ class FeatureStore:
         except Exception as e:  # zarr raises KeyError, ValueError, JSON errors... for broken metadata
             raise self._damaged(f"array {name} is missing or unreadable ({type(e).__name__})") from None
 
-    def _read(self, name: str, sel=slice(None)) -> np.ndarray:
+    def _read(self, name: str, sel=slice(None), what: str = "") -> np.ndarray:
         arr = self._arr(name)
         try:
             return np.asarray(arr[sel])
         except OSError as e:
             raise storage_error(e, self.path, f"reading {name}") from None
         except Exception as e:  # a chunk that does not decode (truncated or overwritten file)
-            raise self._damaged(f"{name} does not decode ({type(e).__name__}: {e})") from None
+            where = f"{name} {what}".strip()
+            raise self._damaged(f"{where} does not decode ({type(e).__name__}: {e})") from None
+
+    def _read_chunk(self, split: str, i: int) -> np.ndarray:
+        sl = self.chunk_slice(split, i)
+        return self._read(f"{split}/features", sl, f"chunk {i} (rows {sl.start}-{sl.stop - 1})")
 
     def _check_finite_once(self) -> None:
         """A complete store without the ``finite`` record: scan it, record the result when writable."""
@@ -424,7 +429,8 @@ class FeatureStore:
             raise ValueError(
                 f"chunk {i} of {split} needs shape {(sl.stop - sl.start, self.embed_dim)}, got {feats.shape}"
             )
-        f16 = np.ascontiguousarray(feats.astype(np.float16))
+        with np.errstate(over="ignore"):  # beyond float16's range becomes inf, refused just below
+            f16 = np.ascontiguousarray(feats.astype(np.float16))
         r = first_nonfinite_row(f16)
         if r is not None:
             raise FedfeatError(
@@ -456,7 +462,8 @@ class FeatureStore:
         want = (len(self.templates), self.n_classes, self.embed_dim)
         if tuple(feats.shape) != want:
             raise ValueError(f"text features need shape {want}, got {tuple(feats.shape)}")
-        f16 = np.ascontiguousarray(np.asarray(feats).astype(np.float16))
+        with np.errstate(over="ignore"):
+            f16 = np.ascontiguousarray(np.asarray(feats).astype(np.float16))
         r = first_nonfinite_row(f16.reshape(-1, self.embed_dim))
         if r is not None:
             raise FedfeatError(
@@ -516,7 +523,12 @@ class FeatureStore:
         """
         self._check_split(split)
         done = self._done(split)
-        out = self._read(f"{split}/features")  # [N, D]
+        try:
+            out = self._read(f"{split}/features")  # [N, D]: one read is faster than one per chunk
+        except FedfeatError:  # a chunk that does not decode: find it, to name it
+            for i in range(len(done)):
+                self._read_chunk(split, i)
+            raise
         for i in range(len(done)):
             self._check_chunk(split, i, out[self.chunk_slice(split, i)], int(done[i]))
         return out
@@ -533,7 +545,7 @@ class FeatureStore:
         chunk_of = rows // self.chunk_rows
         for i in np.unique(chunk_of):
             sl = self.chunk_slice(split, int(i))
-            block = self._read(f"{split}/features", sl)
+            block = self._read_chunk(split, int(i))
             self._check_chunk(split, int(i), block, int(done[i]))
             sel = chunk_of == i
             out[sel] = block[rows[sel] - sl.start]
@@ -576,7 +588,7 @@ class FeatureStore:
             done = self._done(split)
             for i in np.flatnonzero(done != 0) if not self.complete else range(len(done)):
                 sl = self.chunk_slice(split, int(i))
-                self._check_chunk(split, int(i), self._read(f"{split}/features", sl), int(done[i]))
+                self._check_chunk(split, int(i), self._read_chunk(split, int(i)), int(done[i]))
                 checked["chunks"] += 1
                 checked["rows"] += sl.stop - sl.start
         if self.complete or self.text_done():
