@@ -9,11 +9,13 @@ must:
 * touch nothing outside its targets: every file and directory under the case's ``tmp_path`` (sentinel
   "valuables" included) that is not under a target keeps its size and mtime, nothing new appears there;
 * leave nothing looking complete: no new ``summary.json``, no new store whose ``complete`` flag is set, no
-  ``.tmp-*``, ``.lock-*``, ``.partial-*`` or ``.old-*`` leftovers under its targets; where a malicious input would create a marker file,
-  the marker does not exist.
+  ``.tmp-*``, ``.lock-*``, ``.partial-*`` or ``.old-*`` leftovers under its targets;
+* run no code from a malicious file: the marker file its payload would create does not exist (and
+  ``test_the_malicious_payloads_would_run`` shows that the payloads are live).
 
 A case is a row: an id, a setup function (``Workspace -> Setup``: prepares files under ``tmp_path`` and
-returns argv, targets, markers and extra checks), the patterns the line must contain.
+returns argv, targets, markers and extra checks), the patterns the line must contain (problem, fix) and
+patterns it must not (harmful advice).
 """
 
 from __future__ import annotations
@@ -665,9 +667,13 @@ def test_the_table_is_big_enough():
 
 # ---------------------------------------------------------------------------------------- report: skip, warn
 @pytest.mark.parametrize(
-    "damage", [truncate_summary, empty_summary, drop_metrics], ids=["truncated", "empty", "no-metrics"]
+    "damage, file",
+    [(truncate_summary, "summary.json"), (empty_summary, "summary.json"), (drop_metrics, "metrics.jsonl")],
+    ids=["truncated", "empty", "no-metrics"],
 )
-def test_report_skips_an_unreadable_run_with_one_warning(damage, base, tmp_path):
+def test_report_skips_an_unreadable_run_with_one_warning(damage, file, base, tmp_path):
+    """Beside a readable run, an unreadable one is skipped with one warning line naming it and its file; the
+    table of the readable run follows, exit status 0."""
     runs = tmp_path / "runs"
     shutil.copytree(base["run"], runs / "good")
     shutil.copytree(base["run"], runs / "bad")
@@ -675,10 +681,11 @@ def test_report_skips_an_unreadable_run_with_one_warning(damage, base, tmp_path)
     r = runner.invoke(app, ["report", str(runs)])
     assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
     assert r.exit_code == 0, r.output
-    warnings = [ln for ln in r.output.splitlines() if "bad" in ln and "|" not in ln]
-    assert len(warnings) == 1, r.output
-    assert re.search(r"warn|skip", warnings[0], re.IGNORECASE), r.output
     assert "Traceback" not in r.output
+    warnings = [ln for ln in r.output.splitlines() if ln.strip() and "|" not in ln]
+    assert len(warnings) == 1, r.output
+    assert re.search(r"warn|skip", warnings[0], re.IGNORECASE) and "bad" in warnings[0], r.output
+    assert file in warnings[0], r.output
     assert "| zeroshot |" in r.output  # the readable run is reported
 
 
