@@ -459,6 +459,10 @@ def _train_locked(
             f"run directory {rd.final} exists (a finished run of that name); pass --overwrite to let the resumed "
             "run replace it"
         )
+    if resuming and (rd.partial / "summary.json").is_file():  # killed between its last write and the rename
+        log(f"run {rd.name} had finished before it was interrupted; publishing it")
+        rd.publish(overwrite)
+        return rd.final
     try:
         if resuming:
             if ckpt.is_file():

@@ -1,0 +1,301 @@
+"""Run directories you can trust: names, exclusive runs, atomic replacement, resume, identity, replay, reports.
+
+Kills are real: a subprocess is SIGKILLed at a named point (``FEDFEAT_FAULT``, ``fedfeat.rundir.fault_point``)
+and nothing of its clean-up runs.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from fedfeat import checkpoint
+from fedfeat.cli import app
+from fedfeat.rundir import Lock
+
+runner = CliRunner()
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+BASE = ["--clients", "10", "--rounds", "6", "--participation", "0.3", "--quiet"]
+
+
+def _synth(out: Path, dim: int = 32) -> Path:
+    r = runner.invoke(
+        app,
+        ["synth", "--out", str(out), "--dim", str(dim), "--train-per-class", "60", "--test-per-class", "20",
+         "--templates", "2", "--no-stats"],
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    return out
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return _synth(tmp_path_factory.mktemp("runs") / "s.zarr")
+
+
+def _cli(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def _proc(*args, fault: str | None = None, cwd=None):
+    env = dict(ENV, FEDFEAT_FAULT=fault) if fault else ENV
+    return subprocess.run(
+        [sys.executable, "-m", "fedfeat", *map(str, args)], env=env, cwd=cwd, capture_output=True, text=True
+    )
+
+
+def _metrics(run: Path) -> list[dict]:
+    """Per-round rows without the timings (which differ between any two runs)."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if "seconds" not in k and not k.startswith("sec_")} for r in rows]
+
+
+def _same_run(a: Path, b: Path) -> None:
+    assert _metrics(a) == _metrics(b)
+    wa, wb = load_file(a / "weights.safetensors"), load_file(b / "weights.safetensors")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+def _tree(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.rglob("*")}
+
+
+# ---------------------------------------------------------------------------------------------- names
+@pytest.mark.parametrize("name", ["..", ".", "../../x", "a/b", "", ".hidden", "/abs/dir"])
+def test_bad_names_are_refused_and_delete_nothing(store, tmp_path, name):
+    (tmp_path / "keep").mkdir()
+    (tmp_path / "keep" / "precious.txt").write_text("data")
+    out = tmp_path / "keep" / "runs"
+    out.mkdir()
+    before = _tree(tmp_path)
+    r = _cli("train", "--store", store, "--out", out, "--name", name, "--kernel", "torch", *BASE)
+    assert r.exit_code == 2, r.output
+    assert "path component" in r.output and r.output.count("\n") == 1
+    assert _tree(tmp_path) == before
+
+
+def test_absolute_name_in_replayed_config_is_refused(store, tmp_path):
+    cfg = tmp_path / "c.toml"
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "f").write_text("x")
+    cfg.write_text(
+        f'[run]\nmethod = "fedavg"\nstore = "{store}"\nname = "{victim}"\nclients = 10\nrounds = 1\n'
+    )
+    r = _cli("train", "--config", cfg, "--out", tmp_path / "runs", "--quiet")
+    assert r.exit_code == 2 and "path component" in r.output
+    assert (victim / "f").read_text() == "x"
+
+
+# ---------------------------------------------------------------------------------------------- identity
+def test_default_name_identity_and_replay_from_elsewhere(store, tmp_path, monkeypatch):
+    """Name = method, store, partition, seed, hash of the non-default settings; replaying config.toml from another
+    working directory gives the same name and the same metrics; another store (D = 16) gives another name."""
+    r = _cli(
+        "train", "--store", store, "--out", tmp_path / "a", "--method", "fedntd", "--set", "lr=0.05", *BASE
+    )
+    assert r.exit_code == 0, r.output
+    (run,) = (tmp_path / "a").iterdir()
+    assert run.name.startswith("fedntd__s__dirichlet-a0.1-c10-s19940817__seed0__")
+    assert len(run.name) < 100
+    summary = json.loads((run / "summary.json").read_text())
+    prov = summary["provenance"]
+    assert prov["fedfeat"] and prov["command"] and summary["store_fingerprint"]
+    cfg = (run / "config.toml").read_text()
+    assert f'store = "{Path(store).resolve()}"' in cfg and "store_fingerprint" in cfg and "name =" not in cfg
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    r = _cli("train", "--config", run / "config.toml", "--out", "b", "--quiet")
+    assert r.exit_code == 0, r.output
+    _same_run(run, elsewhere / "b" / run.name)
+    other = _synth(tmp_path / "d16" / "s.zarr", dim=16)
+    r = _cli(
+        "train", "--store", other, "--out", tmp_path / "a", "--method", "fedntd", "--set", "lr=0.05", *BASE
+    )
+    assert r.exit_code == 0, r.output
+    assert len(list((tmp_path / "a").iterdir())) == 2  # same method, store name and partition; other store
+
+
+def test_replay_refuses_a_store_with_another_fingerprint(store, tmp_path):
+    r = _cli("train", "--store", store, "--out", tmp_path, "--name", "x", "--method", "fedavg", *BASE)
+    assert r.exit_code == 0, r.output
+    cfg = tmp_path / "x" / "config.toml"
+    text = cfg.read_text()
+    fp = json.loads((tmp_path / "x" / "summary.json").read_text())["store_fingerprint"]
+    cfg.write_text(text.replace(fp, "0123456789abcdef"))
+    r = _cli("train", "--config", cfg, "--out", tmp_path / "b", "--quiet")
+    assert r.exit_code == 2 and fp in r.output and "0123456789abcdef" in r.output and "--store" in r.output
+
+
+# ---------------------------------------------------------------------------------------------- one writer
+def test_same_name_refuses_and_overwrite_replaces(store, tmp_path):
+    args = ["train", "--store", store, "--out", tmp_path, "--name", "x", "--kernel", "torch", *BASE]
+    assert _cli(*args, "--method", "fedavg").exit_code == 0
+    r = _cli(*args, "--method", "fedprox")
+    assert r.exit_code == 2 and "--overwrite" in r.output
+    assert json.loads((tmp_path / "x" / "summary.json").read_text())["method"] == "fedavg"
+    r = _cli(*args, "--method", "fedprox", "--overwrite")
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "x" / "summary.json").read_text())["method"] == "fedprox"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x"]  # no lock, partial or old copy left
+
+
+def test_a_held_lock_refuses_naming_the_holder_and_a_dead_holder_is_stale(store, tmp_path):
+    lock = Lock(tmp_path / ".lock-x", "run x").acquire()
+    args = ["train", "--store", store, "--out", tmp_path, "--name", "x", "--method", "fedavg", *BASE]
+    r = _cli(*args)
+    assert r.exit_code == 2 and f"pid {os.getpid()}" in r.output
+    lock.release()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    import socket
+
+    (tmp_path / ".lock-x").write_text(json.dumps({"pid": int(dead.stdout), "host": socket.gethostname()}))
+    assert _cli(*args).exit_code == 0  # the dead process's lock was taken over
+    assert not (tmp_path / ".lock-x").exists()
+
+
+def test_two_concurrent_trains_of_one_name(store, tmp_path):
+    args = ["train", "--store", store, "--out", tmp_path, "--name", "x", "--method", "fedavg", "--kernel", "torch",
+            "--clients", "10", "--rounds", "40", "--participation", "1", "--quiet"]  # fmt: skip
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "fedfeat", *map(str, args)], env=ENV, stderr=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]  # fmt: skip
+    outs = [(p.wait(), p.stderr.read()) for p in procs]
+    codes = sorted(c for c, _ in outs)
+    assert codes == [0, 2], outs
+    err = next(e for c, e in outs if c == 2)
+    assert "being written by pid" in err or "--overwrite" in err
+    assert json.loads((tmp_path / "x" / "summary.json").read_text())["rounds"] == 40
+
+
+# ---------------------------------------------------------------------------------------------- kills and resume
+@pytest.mark.parametrize("method", ["fst-cbdg", "fedavgm"])
+def test_sigkill_mid_run_then_resume_equals_the_uninterrupted_run(store, tmp_path, method):
+    args = ["train", "--store", store, "--method", method, "--name", "x", "--kernel", "torch", *BASE]
+    assert _proc(*args, "--out", tmp_path / "u").returncode == 0
+    killed = _proc(*args, "--out", tmp_path / "k", "--checkpoint-every", "2", fault="after-round-5")
+    assert killed.returncode == -9
+    assert not (tmp_path / "k" / "x").exists()
+    r = _cli("report", tmp_path / "k", "--all")
+    assert r.exit_code == 0 and "round 4" in r.output and "--resume" in r.output
+    r = _cli("train", "--resume", tmp_path / "k" / "x", "--quiet")
+    assert r.exit_code == 0, r.output
+    assert "after round 4" in r.output
+    _same_run(tmp_path / "u" / "x", tmp_path / "k" / "x")
+    assert sorted(p.name for p in (tmp_path / "k").iterdir()) == ["x"]
+
+
+def test_kill_before_the_rename_loses_nothing_and_shows_no_orphan(store, tmp_path):
+    args = ["train", "--store", store, "--out", tmp_path, "--name", "x", "--kernel", "torch", *BASE]
+    assert _cli(*args, "--method", "fedavg").exit_code == 0
+    old = (tmp_path / "x" / "summary.json").read_bytes()
+    p = _proc(*args, "--method", "fedprox", "--overwrite", fault="before-publish")
+    assert p.returncode == -9
+    assert (tmp_path / "x" / "summary.json").read_bytes() == old  # the old run is intact
+    r = _cli("report", tmp_path)
+    assert r.exit_code == 0 and r.output.count("| fedavg") == 1 and "fedprox" not in r.output
+    r = _cli("train", "--resume", tmp_path / "x", "--overwrite", "--quiet")
+    assert r.exit_code == 0, r.output  # the finished new run is published
+    assert json.loads((tmp_path / "x" / "summary.json").read_text())["method"] == "fedprox"
+
+
+def test_resume_refuses_flags_and_finished_runs(store, tmp_path):
+    assert (
+        _cli(
+            "train", "--store", store, "--out", tmp_path, "--name", "x", "--method", "fedavg", *BASE
+        ).exit_code
+        == 0
+    )
+    r = _cli("train", "--resume", tmp_path / "x", "--quiet")
+    assert r.exit_code == 2 and "finished" in r.output
+    r = _cli("train", "--resume", tmp_path / "x", "--rounds", "9")
+    assert r.exit_code == 2 and "--rounds" in r.output
+    r = _cli("train", "--resume", tmp_path / "nothing")
+    assert r.exit_code == 2 and "--all" in r.output
+
+
+def test_checkpoint_round_trip_keeps_values_and_aliasing(tmp_path):
+    head = {"W": torch.randn(3, 4), "b": torch.zeros(3)}
+    state = {"q": torch.rand(5, 3), "head": head, "crt": head, "v": None, "agg": {"n": 2, "xs": [torch.ones(2)]},
+             "round_buffers": {"x": torch.empty(100)}}  # fmt: skip
+    checkpoint.save(tmp_path / "c.safetensors", 7, {"W": torch.arange(4.0)}, state, extra={"note": "n"})
+    rnd, glob, st = checkpoint.load(tmp_path / "c.safetensors", "cpu")
+    assert rnd == 7 and torch.equal(glob["W"], torch.arange(4.0))
+    assert torch.equal(st["q"], state["q"]) and torch.equal(st["crt"]["W"], head["W"])
+    assert st["head"]["W"] is st["crt"]["W"] and st["v"] is None and st["agg"]["n"] == 2
+    assert "round_buffers" not in st and checkpoint.read_meta(tmp_path / "c.safetensors")["note"] == "n"
+
+
+# ---------------------------------------------------------------------------------------------- bad values
+def test_weights_that_blow_up_stop_the_run(store, tmp_path):
+    r = _cli("train", "--store", store, "--out", tmp_path, "--method", "fedavg", "--kernel", "torch",
+             "--set", "lr=1e38", "--set", "logit_scale=1e30", *BASE)  # fmt: skip
+    assert r.exit_code == 2, r.output
+    assert "round 1 of fedavg" in r.output and "non-finite" in r.output
+    assert list(tmp_path.iterdir()) == []  # nothing left, not even hidden
+
+
+@pytest.mark.parametrize("kv", ["lr=nan", "logit_scale=inf", "momentum=-inf"])
+def test_non_finite_hyperparameters_are_refused(store, tmp_path, kv):
+    r = _cli("train", "--store", store, "--out", tmp_path, "--method", "fedavg", "--set", kv, *BASE)
+    assert r.exit_code == 2 and "not finite" in r.output
+    assert not tmp_path.exists() or list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------- read-only store
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare for a read-only bind mount")
+def test_train_on_a_read_only_store_with_a_new_partition(store, tmp_path):
+    ro = tmp_path / "ro.zarr"
+    shutil.copytree(store, ro)
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("user namespaces are not available here")
+    before = _tree(ro)
+    cmd = (
+        f"mount --bind -o ro {ro} {ro} && exec {sys.executable} -m fedfeat train --store {ro} --method fedavg "
+        f"--partition shard --shards 2 --clients 5 --rounds 2 --out {tmp_path / 'runs'} --name x --quiet"
+    )
+    p = subprocess.run(["unshare", "-rm", "sh", "-c", cmd], env=ENV, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "runs" / "x" / "summary.json").is_file()
+    part = json.loads((tmp_path / "runs" / "x" / "partition.json").read_text())
+    assert part["scheme"] == "shard" and len(part["clients"]) == 5
+    assert _tree(ro) == before
+
+
+# ---------------------------------------------------------------------------------------------- report
+def test_report_skips_temporaries_and_unreadable_runs(store, tmp_path):
+    assert (
+        _cli(
+            "train", "--store", store, "--out", tmp_path, "--name", "good", "--method", "fedavg", *BASE
+        ).exit_code
+        == 0
+    )
+    (tmp_path / ".tmp-x-123").mkdir()
+    (tmp_path / ".tmp-x-123" / "summary.json").write_text("")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "summary.json").write_text("")
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "summary.json").write_text('{"method": "fed')
+    shutil.copytree(tmp_path / "good", tmp_path / "nometrics")
+    (tmp_path / "nometrics" / "metrics.jsonl").unlink()
+    r = runner.invoke(app, ["report", str(tmp_path)])
+    assert r.exit_code == 0
+    assert r.stdout.count("| fedavg") == 1
+    assert sum("warning: skipped" in line for line in r.stderr.splitlines()) == 3
+    r = runner.invoke(app, ["report", str(tmp_path / "empty"), str(tmp_path / "cut")])
+    assert r.exit_code == 2 and "no readable finished runs" in r.stderr
