@@ -411,3 +411,168 @@ def test_torchrun_two_gloo_ranks_match_one_process(tc, c10, c10_store, tmp_path)
             np.testing.assert_allclose(a, b, rtol=2**-10, atol=1e-6)
         else:
             assert got[k] == want[k], k
+
+
+# ---------------------------------------------------------------------------------------- trust: flags, locks, staleness
+def test_bad_numeric_flags_create_nothing(tc, c10, tmp_path):
+    for extra, want in [
+        (["--workers", "-1"], "--workers must be >= 0"),
+        (["--chunk-rows", "0"], "--chunk-rows must be >= 1"),
+        (["--batch-size", "-3"], "--batch-size must be >= 1"),
+    ]:
+        msg = cli_error_text(run_cli(enc_args("cifar10", c10.root, tc, tmp_path / "out", *extra)))
+        assert want in msg
+        assert not (tmp_path / "out").exists()
+
+
+def _lock_path(out) -> Path:
+    return out / "cifar10" / f"{TINY_NAME}-tiny.zarr.lock"
+
+
+def test_second_encode_refuses_while_the_lock_is_held_even_with_force(tc, c10, c10_store, tmp_path):
+    import shutil
+    import socket
+
+    out = tmp_path / "cache"
+    path = out / "cifar10" / f"{TINY_NAME}-tiny.zarr"
+    shutil.copytree(c10_store, path)
+    before = store_snapshot(path)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        lock = _lock_path(out)
+        lock.write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname(), "since": "2026-11-23T10:00:00+00:00",
+                                    "command": "fedfeat encode"}))  # fmt: skip
+        for extra in ([], ["--force"]):
+            msg = cli_error_text(run_cli(enc_args("cifar10", c10.root, tc, out, *extra)))
+            assert f"pid {holder.pid} on host {socket.gethostname()}, since 2026-11-23T10:00:00" in msg, msg
+            assert f"remove {lock}" in msg
+        assert store_snapshot(path) == before and lock.is_file()  # --force deleted nothing
+    finally:
+        holder.kill()
+        holder.wait()
+    r = run_cli(enc_args("cifar10", c10.root, tc, out))  # the holder is gone: its lock is stale
+    assert r.exit_code == 0, r.output
+    assert "taking over the stale lock" in r.output and f"pid {holder.pid}" in r.output
+    assert "nothing to do" in r.output and not lock.exists()
+
+
+def _flip_cifar_image(root: Path, batch: str, image: np.ndarray) -> None:
+    """Edit one image inside a CIFAR batch file in place: same size, same names, other pixels."""
+    f = root / batch
+    data = f.read_bytes()
+    row = image.transpose(2, 0, 1).reshape(3072).tobytes()
+    at = data.find(row)
+    assert at > 0 and data.count(row) == 1
+    f.write_bytes(data[:at] + bytes(255 - b for b in row) + data[at + len(row) :])
+
+
+def test_same_size_edit_of_a_dataset_file_re_encodes_its_chunks(tc, ref, tmp_path):
+    """Fingerprints hash file contents: an in-place edit that keeps names and sizes is seen; only the chunks
+    the edited file feeds are encoded again, and the result equals a fresh encode of the edited data."""
+    model, preprocess, _ = ref
+    fx = write_cifar10(tmp_path / "cifar-10-batches-py", protocol=4)
+    path = encode_ok(enc_args("cifar10", fx.root, tc, tmp_path / "cache"))
+    st = FeatureStore.open(path)
+    old_train, old_test, old_fp = st.features("train"), st.features("test"), st.attrs["fingerprint_hash"]
+    size = (fx.root / "data_batch_1").stat().st_size
+    _flip_cifar_image(fx.root, "data_batch_1", fx.images["train"][3])
+    assert (fx.root / "data_batch_1").stat().st_size == size
+    r = run_cli(enc_args("cifar10", fx.root, tc, tmp_path / "cache"))
+    assert r.exit_code == 0, r.output
+    assert "1 dataset file(s) changed" in r.output and "data_batch_1" in r.output
+    assert "re-encoding the 1 chunk(s)" in r.output and "nothing to do" not in r.output
+    st = FeatureStore.open(path)
+    new = st.features("train")
+    edited = 255 - fx.images["train"][3]
+    assert max_rel_err(new[3:4], reference_image_features(model, preprocess, [edited])) <= 1e-3
+    assert not np.array_equal(new[3], old_train[3])
+    np.testing.assert_array_equal(new[16:], old_train[16:])  # chunks 1 and 2 (other batch files) kept
+    np.testing.assert_array_equal(st.features("test"), old_test)
+    assert st.attrs["fingerprint_hash"] != old_fp and st.complete
+    fresh = encode_ok(enc_args("cifar10", fx.root, tc, tmp_path / "fresh"))
+    assert store_snapshot(path) == store_snapshot(fresh)
+
+
+def test_fixing_a_corrupt_image_and_re_running_keeps_finished_chunks(tc, ref, tmp_path):
+    """The advice "fix or replace the file and re-run the same command" works as written: no --force, and
+    the chunks finished before the failure are not encoded again."""
+    from PIL import Image
+
+    model, preprocess, _ = ref
+    fx = write_imagefolder(tmp_path / "pets", {"train": 6, "test": 2})
+    bad = tmp_path / "pets" / "train" / "sea_lion" / "005.png"  # row 17: the second chunk of 16 rows
+    good = bad.read_bytes()
+    write_corrupt(bad)
+    args = enc_args("imagefolder", fx.root, tc, tmp_path / "cache")
+    msg = cli_error_text(run_cli(args))
+    assert f"cannot read image {bad}" in msg and "fix or replace the file and re-run the same command" in msg
+    path = tmp_path / "cache" / "pets" / f"{TINY_NAME}-tiny.zarr"
+    st = FeatureStore.open(path, allow_incomplete=True)
+    assert st.done_chunks("train").tolist() == [True, False]
+    first = path / "train" / "features" / "c" / "0" / "0"
+    kept = (first.stat().st_mtime_ns, first.read_bytes())
+    bad.write_bytes(good)  # fixed
+    r = run_cli(args)
+    assert r.exit_code == 0, r.output
+    assert "re-encoding" in r.output and "--force" not in r.output
+    assert (first.stat().st_mtime_ns, first.read_bytes()) == kept
+    st = FeatureStore.open(path)
+    want = reference_image_features(model, preprocess, fx.paths["train"])
+    assert max_rel_err(st.features("train"), want) <= 1e-3 and st.attrs["skipped"] == {}
+    np.testing.assert_array_equal(st.labels("train"), fx.labels["train"])
+    with Image.open(bad) as im:
+        assert im.size[0] > 0
+
+
+class _NanClip:
+    """Wraps the loaded model: image ``row`` of the first batch comes out NaN."""
+
+    def __init__(self, clip, row):
+        self._clip, self._row, self._calls = clip, row, 0
+
+    def __getattr__(self, k):
+        return getattr(self._clip, k)
+
+    def encode_images(self, images):
+        out = self._clip.encode_images(images).clone()  # [B, D]
+        self._calls += 1
+        if self._calls == 1:
+            out[self._row] = float("nan")
+        return out
+
+
+def test_non_finite_model_output_is_refused_or_skipped(tc, c10, tmp_path, monkeypatch):
+    real = clipcompat.load_model
+    monkeypatch.setattr(clipcompat, "load_model", lambda *a, **k: _NanClip(real(*a, **k), 2))
+    args = enc_args("cifar10", c10.root, tc, tmp_path)
+    msg = cli_error_text(run_cli(args))
+    assert f"features of image {c10.root / 'data_batch_1[2]'} are not finite" in msg and "--skip-bad" in msg
+    st = FeatureStore.open(encode_ok(args + ["--skip-bad"]))
+    assert st.labels("train")[2] == -1 and not st.features("train")[2].any()
+    assert st.attrs["skipped"] == {"train": ["data_batch_1[2]"]}
+
+
+def test_full_disk_during_encode_is_one_line_and_resumable(tc, c10, c10_store, tmp_path, monkeypatch):
+    import errno
+
+    real, calls = FeatureStore.write_chunk, []
+
+    def write_chunk(self, split, i, feats):
+        calls.append(i)
+        if len(calls) == 2:
+            raise OSError(
+                errno.ENOSPC, "No space left on device", str(self.path / f"{split}/features/c/{i}/0")
+            )
+        return real(self, split, i, feats)
+
+    monkeypatch.setattr(FeatureStore, "write_chunk", write_chunk)
+    out = tmp_path / "cache"
+    msg = cli_error_text(run_cli(enc_args("cifar10", c10.root, tc, out))).strip().splitlines()
+    path = out / "cifar10" / f"{TINY_NAME}-tiny.zarr"
+    assert msg[-1].startswith(f"error: cannot finish encoding at {path}") and "Traceback" not in "".join(msg)
+    assert "no space left on device" in msg[-1] and "re-run the same command" in msg[-1]
+    assert not FeatureStore.open(path, allow_incomplete=True).complete and not _lock_path(out).exists()
+    monkeypatch.undo()
+    r = run_cli(enc_args("cifar10", c10.root, tc, out))
+    assert r.exit_code == 0 and "resuming" in r.output, r.output
+    assert store_snapshot(path) == store_snapshot(c10_store)
