@@ -93,3 +93,34 @@ def test_synth_deterministic_via_cli(store, tmp_path):
     np.testing.assert_array_equal(
         FeatureStore.open(store).features("test"), FeatureStore.open(out2).features("test")
     )
+
+
+def test_info_verify_reports_what_it_checked(store):
+    r = runner.invoke(app, ["info", "--verify", str(store)])
+    assert r.exit_code == 0, r.output
+    assert "2 feature chunks (700 rows), labels, text features: checksums match, all finite" in r.output
+    r = runner.invoke(app, ["info", "--verify", "--json", str(store)])
+    assert json.loads(r.output)["verified"] == {"chunks": 2, "rows": 700, "text": 1}
+
+
+def test_partition_export_into_a_missing_directory_is_refused_first(store, tmp_path):
+    before = sorted(p.name for p in (store / "partitions").iterdir())
+    target = tmp_path / "nodir" / "p.json"
+    r = runner.invoke(
+        app, ["partition", str(store), "--scheme", "iid", "--clients", "3", "--export", str(target)]
+    )
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert f"directory {target.parent} does not exist; create it first" in r.output
+    assert sorted(p.name for p in (store / "partitions").iterdir()) == before  # nothing saved either
+
+
+def test_synth_never_replaces_a_directory_it_did_not_write(tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.txt").write_text("irreplaceable\n")
+    for extra in ([], ["--force"]):
+        r = runner.invoke(
+            app, ["synth", "--out", str(mine), "--classes", "2", "--dim", "8", "--no-stats", *extra]
+        )
+        assert r.exit_code == 2 and "is not a fedfeat store" in r.output and "--out" in r.output, r.output
+    assert [p.name for p in mine.iterdir()] == ["thesis.txt"]

@@ -187,6 +187,38 @@ def test_fingerprint_tracks_file_names_and_sizes_not_location(tmp_path):
     }
 
 
+def test_fingerprint_sees_a_same_size_edit_and_caches_hashes_by_size_and_mtime(tmp_path, monkeypatch):
+    """Contents, not just sizes: flipping bytes in place changes the fingerprint. Hashes of unchanged files
+    come from the cache (keyed by size and mtime_ns); an edited file is hashed again."""
+    import os
+
+    from fedfeat import datasets as D
+
+    monkeypatch.setenv("FEDFEAT_CACHE_DIR", str(tmp_path / "cache"))
+    fx = write_cifar10(tmp_path / "c")
+    old = 1_600_000_000_000_000_000  # files older than the racy window are cacheable
+    for f in fx.root.iterdir():
+        os.utime(f, ns=(old, old))
+    hashed = []
+    real = D._hash_file
+    monkeypatch.setattr(D, "_hash_file", lambda p: hashed.append(p.name) or real(p))
+    fp = open_dataset("cifar10", fx.root).fingerprint()
+    assert len(hashed) == 7 and fp["files"]["content"] == "blake2b-128"
+    hashed.clear()
+    assert open_dataset("cifar10", fx.root).fingerprint() == fp and hashed == []  # all from the cache
+    f = fx.root / "data_batch_2"
+    data = f.read_bytes()
+    row = fx.images["train"][8].transpose(2, 0, 1).reshape(3072).tobytes()  # first image of batch 2
+    assert data.count(row) == 1
+    f.write_bytes(data.replace(row, bytes(255 - b for b in row)))
+    os.utime(f, ns=(old + 10**9, old + 10**9))
+    ds = open_dataset("cifar10", fx.root)
+    fp2 = ds.fingerprint()
+    assert hashed == ["data_batch_2"] and fp2 != fp and fp2["files"]["files"] == fp["files"]["files"]
+    rows, other = ds.rows_of_files({"data_batch_2", "batches.meta"})
+    assert rows == {"train": pytest.approx(np.arange(8, 16))} and other == {"batches.meta"}
+
+
 # ---------------------------------------------------------------------------------------- templates
 def test_template_sets():
     assert resolve_templates(None) == ["a photo of a {}."] == resolve_templates("single")
