@@ -81,7 +81,9 @@ def register(app: typer.Typer) -> None:
         force: Annotated[
             bool,
             typer.Option(
-                "--force", help="Rebuild the store even if it exists (needed when its settings differ)."
+                "--force",
+                help="Rebuild the store even if it exists (needed when its settings differ). Respects the "
+                "store's lock; never replaces a directory that is not a fedfeat store.",
             ),
         ] = False,
         skip_bad: Annotated[

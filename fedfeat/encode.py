@@ -8,16 +8,26 @@ fills a ``FeatureStore`` at ``OUT/<dataset>/<backbone>-<weights>.zarr``:
 - **resumable**: a run killed at any point and started again only encodes the chunks not yet done, and ends
   with the same bytes as an uninterrupted run (a chunk is always encoded in the same batches, starting at
   the chunk's first row, whatever else runs in the process); the ``complete`` flag is set last;
-- **fingerprinted**: a complete store with the same fingerprint (dataset files' names and sizes, backbone
-  config, weights tag or file hash, preprocessing, templates, precision, format version) is left alone;
-  a different fingerprint at the same path needs ``force`` (which always rebuilds); an unfinished store
-  with the same fingerprint is resumed;
+- **fingerprinted**: a complete store with the same fingerprint (dataset files' names, sizes and contents --
+  blake2b of the bytes, cached by (path, size, mtime_ns) in ``~/.cache/fedfeat`` so unchanged files are not read
+  again --, class names, backbone config, weights tag or file hash, preprocessing, templates, precision,
+  format version) is left alone. When only the contents of image files changed (same names, splits, classes
+  and settings; e.g. an image fixed after "cannot read image ..."), only the chunks those files feed are
+  encoded again, complete store or not: the result equals a fresh build. Any other difference needs
+  ``force`` (which always rebuilds); an unfinished store with the same fingerprint is resumed. ``force``
+  never deletes a directory that is not a fedfeat store;
+- **locked**: one encode per store. Rank 0 takes ``STORE.lock`` (``fedfeat.store.StoreLock``: pid, host, start
+  time) before deciding anything and holds it for the job; a second encode (``--force`` included) is refused
+  naming the holder; a lock left by a dead process on this host is taken over with a message;
 - **distributed**: under ``torchrun`` (or with ``distributed=True``), rank ``r`` encodes the pending chunks
   ``r, r + world, ...``; rank 0 creates the store before a barrier and, after a second barrier, records
   skipped images, then sets the complete flag. gloo on CPU, NCCL on GPUs. Ranks never share a chunk.
 
-Unreadable images fail with their path, or with ``skip_bad`` get an all-zero feature row; when the store is
-finished those rows get label -1 and their names are listed in the ``skipped`` attribute.
+Flags are validated before anything is created. Unreadable images fail with their path, or with ``skip_bad``
+get an all-zero feature row; so do images whose model output is not finite (NaN/inf, or beyond float16's range:
+never written as a normal row). When the store is finished those rows get label -1 and their names are listed
+in the ``skipped`` attribute. A filesystem error (full disk, read-only or forbidden location) is a one-line
+``FedfeatError``; the store stays incomplete and the same command resumes it.
 
 Example::
 
