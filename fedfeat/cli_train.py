@@ -79,8 +79,8 @@ def register(app: typer.Typer) -> None:
         ),
         checkpoint_every: Optional[int] = typer.Option(
             None,
-            help="Checkpoint every N rounds for --resume (0: never). Default 5 (~5 % of a round at the CIFAR-10 "
-            "shape, BENCHMARKS.md).",
+            help="Checkpoint every N rounds for --resume (0: never). Default 10 (<= 5 % of the rounds' time at the "
+            "CIFAR-10 shape, BENCHMARKS.md).",
         ),
         save_partition: bool = typer.Option(
             False,
