@@ -713,11 +713,11 @@ def report(
     if fmt not in ("markdown", "csv"):
         raise FedfeatError(f"unknown format '{fmt}'; choose markdown or csv")
     warn = warn or (lambda msg: print(msg, file=sys.stderr))
-    runs, candidates, parents = [], [], []
+    runs, candidates, parents, problems = [], [], [], []
     for p in paths:
         p = Path(p)
         if not p.exists():
-            warn(f"warning: {p} does not exist; skipped")
+            problems.append(f"{p} does not exist")
         elif p.is_dir() and not _looks_like_run(p):  # a parent of run dirs
             parents.append(p)
             candidates += [q for q in sorted(p.iterdir()) if _looks_like_run(q)]
@@ -727,13 +727,16 @@ def report(
         try:
             runs.append(load_run(q) + (q,))
         except FedfeatError as e:
-            warn(f"warning: skipped {q}: {e}")
+            problems.append(f"skipped {q}: {e}")
     unfinished = unfinished_runs(parents) if all_runs else []
-    if not runs and not unfinished:
+    if not runs and not unfinished:  # one line: the first reason stands for all
+        why = f" ({problems[0]}" + (f"; and {len(problems) - 1} more" if len(problems) > 1 else "") + ")"
         raise FedfeatError(
-            "no readable finished runs in the given paths; pass run directories or their parent "
-            "(`--all` also lists unfinished runs)"
+            f"no readable finished runs in the given paths{why if problems else ''}; pass run directories or "
+            "their parent (`--all` also lists unfinished runs)"
         )
+    for msg in problems:
+        warn(f"warning: {msg}")
     if not runs:
         return _unfinished_table(unfinished, fmt)
     has_lt = any("many_acc" in s for s, _, _ in runs)

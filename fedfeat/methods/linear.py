@@ -65,9 +65,19 @@ class LinearHeadParams:
 
     def validate(self) -> None:
         if self.local_epochs < 1 or self.batch_size < 1:
-            raise FedfeatError("local_epochs and batch_size must be >= 1")
+            raise FedfeatError(
+                f"local_epochs and batch_size must be >= 1, got {self.local_epochs} and {self.batch_size}; "
+                "e.g. --set batch_size=50"
+            )
         if self.lr <= 0 or self.logit_scale <= 0:
-            raise FedfeatError("lr and logit_scale must be > 0")
+            raise FedfeatError(
+                f"lr and logit_scale must be > 0, got {self.lr} and {self.logit_scale}; e.g. --set lr=0.01"
+            )
+        if not 0 <= self.momentum < 1 or self.weight_decay < 0:
+            raise FedfeatError(
+                f"momentum must be in [0, 1) and weight_decay >= 0, got {self.momentum} and {self.weight_decay}; "
+                "e.g. --set momentum=0.9"
+            )
 
 
 class LinearHead(Method):
