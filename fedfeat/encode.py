@@ -274,6 +274,15 @@ def _decide(path: Path, fingerprint: dict, force: bool, ds: ImageDataset) -> tup
     )
 
 
+def _read_only_and_done(path: Path, fingerprint: dict, force: bool) -> bool:
+    """True for a complete, matching store in a directory this process cannot write (a read-only mount):
+    nothing to do, and no lock to take (none could be written)."""
+    if force or not is_store(path) or os.access(path.parent, os.W_OK):
+        return False
+    st = FeatureStore.open(path, mode="r", allow_incomplete=True)
+    return st.complete and st.attrs.get("fingerprint_hash") == fingerprint_hash(fingerprint)
+
+
 # ---------------------------------------------------------------------------------------- main entry
 def encode(
     dataset: str,
@@ -366,8 +375,11 @@ def encode(
         decision = None
         if dist_ctx.rank == 0:  # rank 0 holds the store's lock for the whole job
             try:
-                lock = StoreLock(path, log=say).acquire()
-                decision = ("ok", *_decide(path, fingerprint, force, ds))
+                if _read_only_and_done(path, fingerprint, force):  # a finished store on a read-only mount
+                    decision = ("ok", "done", {})
+                else:
+                    lock = StoreLock(path, log=say).acquire()
+                    decision = ("ok", *_decide(path, fingerprint, force, ds))
             except FedfeatError as e:
                 decision = ("error", str(e))
         decision = dist_ctx.broadcast(decision)

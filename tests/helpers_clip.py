@@ -115,6 +115,41 @@ def run_subprocess(args: list[str], **kw) -> subprocess.CompletedProcess:
     )
 
 
+# ---------------------------------------------------------------------------------------- mount namespaces
+def unshare_available() -> bool:
+    """True where ``unshare -rm`` gives a user + mount namespace that may mount (read-only binds, tmpfs)."""
+    import shutil
+
+    if sys.platform != "linux" or shutil.which("unshare") is None:
+        return False
+    p = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs tmpfs /mnt"], capture_output=True)
+    return p.returncode == 0
+
+
+def run_mounted(mount: str, argv: list, timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run ``argv`` in a private mount namespace after the shell command ``mount`` (e.g. a read-only bind of
+    a store over itself: root ignores chmod, a read-only mount it does not; or a tiny tmpfs: a full disk)."""
+    import shlex
+
+    script = f"{mount} && exec {shlex.join(str(a) for a in argv)}"
+    return subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script],
+        cwd=REPO,
+        env=subprocess_env(OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def read_only_bind(path) -> str:
+    """The mount command that makes ``path`` read-only (for ``run_mounted``)."""
+    import shlex
+
+    q = shlex.quote(str(path))
+    return f"mount --bind -o ro {q} {q}"
+
+
 # ---------------------------------------------------------------------------------------- tiny model
 @dataclass(frozen=True)
 class TinyClip:

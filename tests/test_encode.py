@@ -25,12 +25,15 @@ from helpers_clip import (
     have_main_cli,
     make_tiny_clip,
     max_rel_err,
+    read_only_bind,
     reference_image_features,
     reference_model,
     reference_text_features,
     run_cli,
+    run_mounted,
     store_snapshot,
     subprocess_env,
+    unshare_available,
     write_cifar10,
     write_cifar100,
     write_corrupt,
@@ -575,4 +578,22 @@ def test_full_disk_during_encode_is_one_line_and_resumable(tc, c10, c10_store, t
     monkeypatch.undo()
     r = run_cli(enc_args("cifar10", c10.root, tc, out))
     assert r.exit_code == 0 and "resuming" in r.output, r.output
+    assert store_snapshot(path) == store_snapshot(c10_store)
+
+
+@pytest.mark.skipif(not unshare_available(), reason="needs `unshare -rm` for a read-only bind mount")
+def test_encode_on_a_read_only_cache(tc, c10, c10_store, tmp_path):
+    """A finished, matching store on a read-only mount is reused (no lock needed); anything that would write
+    is one line naming the read-only filesystem."""
+    import shutil
+
+    out = tmp_path / "cache"
+    path = out / "cifar10" / f"{TINY_NAME}-tiny.zarr"
+    shutil.copytree(c10_store, path)
+    argv = cli_argv() + [str(a) for a in enc_args("cifar10", c10.root, tc, out)]
+    p = run_mounted(read_only_bind(out), argv)
+    assert p.returncode == 0 and "nothing to do" in p.stderr and p.stdout.strip() == str(path), p.stderr
+    p = run_mounted(read_only_bind(out), argv + ["--templates", "cifar"])
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and "read-only file system" in lines[0], p.stderr
     assert store_snapshot(path) == store_snapshot(c10_store)

@@ -16,6 +16,7 @@ import sys
 import numpy as np
 import pytest
 import zarr
+from helpers_clip import read_only_bind, run_mounted, unshare_available
 from typer.testing import CliRunner
 
 from fedfeat.cli import app
@@ -264,28 +265,14 @@ def test_synth_force_replaces_a_store_only_once_the_new_one_is_complete(tmp_path
 
 
 # ---------------------------------------------------------------------------------------- read-only stores
-def _unshare_ok() -> bool:
-    if shutil.which("unshare") is None:
-        return False
-    p = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", "mount -t tmpfs tmpfs /mnt && true"], capture_output=True
-    )
-    return p.returncode == 0
-
-
 needs_unshare = pytest.mark.skipif(
-    sys.platform != "linux" or not _unshare_ok(),
-    reason="needs `unshare -rm` with bind mounts (a user namespace) to make a truly read-only store",
+    not unshare_available(),
+    reason="needs `unshare -rm` with mounts (a user namespace) for a truly read-only store or a full disk",
 )
 
 
 def _read_only(store, *argv) -> subprocess.CompletedProcess:
-    """Run ``argv`` with ``store`` bind-mounted read-only over itself (root ignores chmod; this does not)."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    q = shlex.quote
-    script = f"mount --bind -o ro {q(str(store))} {q(str(store))} && exec {shlex.join(str(a) for a in argv)}"
-    return subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, env=env,
-                          cwd=REPO, timeout=120)  # fmt: skip
+    return run_mounted(read_only_bind(store), list(argv))
 
 
 def _tree(path):
@@ -341,3 +328,21 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_stale_one(tmp_path):
     with pytest.raises(FedfeatError, match=r"pid 1 on host elsewhere\.example.*remove .*x\.zarr\.lock"):
         StoreLock(target).acquire()
     assert json.loads(lock.read_text())["host"] == "elsewhere.example"  # another host's lock is left alone
+
+
+@needs_unshare
+def test_synth_on_a_really_full_disk(tmp_path):
+    """A 200 KiB tmpfs: the 2.5 MB store cannot fit; one line, exit 2, and nothing left on the disk."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    out = disk / "s.zarr"
+    synth = shlex.join([sys.executable, "-m", "fedfeat", "synth", "--out", str(out), "--dim", "256",
+                        "--train-per-class", "500", "--no-stats"])  # fmt: skip
+    script = f"{synth}; echo rc=$?; echo left: $(ls -A {shlex.quote(str(disk))})"
+    p = run_mounted(f"mount -t tmpfs -o size=200k tmpfs {shlex.quote(str(disk))}", ["sh", "-c", script])
+    assert p.stdout.split() == ["rc=2", "left:"], p.stdout + p.stderr  # nothing on the disk
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"error: cannot finish writing the synthetic store at {out}"
+    )
+    assert "no space left on device" in lines[0], lines
