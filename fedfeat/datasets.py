@@ -281,8 +281,12 @@ class ImageDataset:
         """``(name, size, content hash)`` of every file the dataset reads, sorted; hashes are cached by
         (path, size, mtime) so a re-run does not read unchanged files again."""
         if self._digests is None:
+            from concurrent.futures import ThreadPoolExecutor
+
             cache = _HashCache(self.root)
-            self._digests = [(name, *cache.digest(name)) for name, _ in self.files()]
+            names = [name for name, _ in self.files()]
+            with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:  # hashlib releases the GIL
+                self._digests = [(name, *d) for name, d in zip(names, pool.map(cache.digest, names))]
             cache.save()
         return self._digests
 
