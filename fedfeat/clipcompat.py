@@ -57,6 +57,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import pickle
 import re
 import socket
 import sys
@@ -574,6 +575,12 @@ def load_model(
         raise
     except Exception as e:  # open_clip reports bad checkpoints and failed downloads as many exception types
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if isinstance(e, pickle.UnpicklingError):  # torch's text would advise weights_only=False: never
+            raise FedfeatError(
+                f"refused to load checkpoint {weights.file}: it is not a plain tensor checkpoint (a weights-only "
+                "load found other objects, which could run code); get the weights from a trusted source, "
+                "preferably as .safetensors, and pass that file to --pretrained"
+            ) from None
         if weights.kind == "file":
             raise FedfeatError(
                 f"cannot load checkpoint {weights.file} into {backbone.name} ({type(e).__name__}: {first}); "

@@ -730,9 +730,11 @@ def report(
             problems.append(f"skipped {q}: {e}")
     unfinished = unfinished_runs(parents) if all_runs else []
     if not runs and not unfinished:  # one line: the first reason stands for all
-        why = f" ({problems[0]}" + (f"; and {len(problems) - 1} more" if len(problems) > 1 else "") + ")"
+        why = ""
+        if problems:
+            why = f" ({problems[0]}" + (f"; and {len(problems) - 1} more" if len(problems) > 1 else "") + ")"
         raise FedfeatError(
-            f"no readable finished runs in the given paths{why if problems else ''}; pass run directories or "
+            f"no readable finished runs in the given paths{why}; pass run directories or "
             "their parent (`--all` also lists unfinished runs)"
         )
     for msg in problems:
