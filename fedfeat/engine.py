@@ -496,6 +496,19 @@ def _run(
     return method.final_weights(ctx, glob), metrics
 
 
+def check_labels(store) -> None:
+    """Every train and test label is a class id of the store or -1 (a skipped image)."""
+    K = store.n_classes
+    for split in ("train", "test"):
+        lab = store.labels(split)
+        bad = np.flatnonzero((lab < -1) | (lab >= K))
+        if len(bad):
+            raise FedfeatError(
+                f"store {store.path}: {split} label {int(lab[bad[0]])} at row {int(bad[0])} is not a class id "
+                f"(the store has {K} classes, 0..{K - 1}; -1 marks a skipped image); rebuild the store"
+            )
+
+
 def load_run_data(
     store, partition, *, device="cpu", centralized: bool = False, dtype=torch.float32
 ) -> RunData:
@@ -506,11 +519,12 @@ def load_run_data(
     order, offsets = partition.order_and_offsets()
     if centralized:
         offsets = np.array([0, len(order)], dtype=np.int64)
+    check_labels(store)
     feats = store.features("train")
     labels = store.labels("train")
+    K = store.n_classes
     x = torch.from_numpy(feats[order]).to(device=device, dtype=dtype)
     y = torch.from_numpy(labels[order]).to(device)
-    K = store.n_classes
     tx = torch.from_numpy(store.features("test")).to(device=device, dtype=dtype)
     ty_np = store.labels("test")
     keep = ty_np >= 0

@@ -36,7 +36,7 @@ import tomllib
 import torch
 
 from fedfeat import rundir
-from fedfeat.engine import resolve_device, resolve_kernel
+from fedfeat.engine import check_labels, resolve_device, resolve_kernel
 from fedfeat.errors import FedfeatError
 
 DEFAULTS = {
@@ -311,6 +311,7 @@ def open_store(cfg: RunConfig):
     from fedfeat.store import FeatureStore
 
     store = FeatureStore.open(cfg.store, mode="r")
+    check_labels(store)
     have = store.attrs.get("fingerprint_hash")
     if cfg.store_fingerprint is not None and have != cfg.store_fingerprint:
         raise FedfeatError(

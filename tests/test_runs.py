@@ -299,3 +299,35 @@ def test_report_skips_temporaries_and_unreadable_runs(store, tmp_path):
     assert sum("warning: skipped" in line for line in r.stderr.splitlines()) == 3
     r = runner.invoke(app, ["report", str(tmp_path / "empty"), str(tmp_path / "cut")])
     assert r.exit_code == 2 and "no readable finished runs" in r.stderr
+
+
+def test_labels_that_are_not_class_ids_are_refused(store, tmp_path):
+    from fedfeat.store import FeatureStore
+
+    bad = tmp_path / "bad.zarr"
+    shutil.copytree(store, bad)
+    st = FeatureStore.open(bad, mode="r+")
+    lab = st.labels("test").copy()
+    lab[3] = 99
+    st._write_labels("test", lab)  # checksummed like a store written so: only the range check can catch it
+    r = _cli("train", "--store", bad, "--out", tmp_path / "runs", "--method", "fedavg", *BASE)
+    assert r.exit_code == 2 and "test label 99 at row 3" in r.output and "10 classes" in r.output
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    "method", ["zeroshot", "fedavg", "fedntd", "fst-cbdg", "fst-cbdg --set self_training=false"]
+)
+def test_every_demo_method_replays_from_its_config_elsewhere(store, tmp_path, monkeypatch, method):
+    """`make demo`'s methods: `train --config RUN/config.toml --out elsewhere` from another directory reproduces
+    the run (same name, same metrics minus timings, same weights)."""
+    monkeypatch.chdir(tmp_path)
+    r = _cli("train", "--store", store, "--method", *method.split(), "--partition", "shard", *BASE)
+    assert r.exit_code == 0, r.output
+    (run,) = (tmp_path / "runs").iterdir()
+    other = tmp_path / "other"
+    other.mkdir()
+    monkeypatch.chdir(other)
+    r = _cli("train", "--config", run / "config.toml", "--out", "elsewhere", "--quiet")
+    assert r.exit_code == 0, r.output
+    _same_run(run, other / "elsewhere" / run.name)
