@@ -369,7 +369,7 @@ def malicious_checkpoint(w: Workspace) -> Setup:
 
 
 def corrupt_checkpoint(w: Workspace) -> Setup:
-    ck = w.tmp / "corrupt.pt"
+    ck = w.tmp / "random.pt"
     ck.write_bytes(np.random.default_rng(1).bytes(5000))
     return w.encode(pretrained=ck)
 
@@ -400,6 +400,7 @@ def C(id, setup, problem, fix=(), sub=False, forbid=()) -> Case:
 
 
 UNSAFE_ADVICE = r"weights_only.{0,20}false"
+CORRUPT = r"corrupt|truncat|unreadable|damaged|invalid|not a (valid|readable)|cannot (be )?read|incomplete"
 T = Workspace.train  # shorthand: ``lambda w: T(w, *flags)``
 
 # fmt: off
@@ -539,11 +540,13 @@ CASES = [
       r"nope\.safetensors", r"not found|--pretrained"),
     # a checkpoint that would run code is refused as such; the fix is a trusted/safetensors file, and the line
     # never advises loading it with weights_only=False (torch's own message does)
-    C("encode-malicious-checkpoint", malicious_checkpoint, r"evil\.pt", r"safetensors|trusted|--pretrained",
+    C("encode-malicious-checkpoint", malicious_checkpoint, (r"evil\.pt", r"refus|unsafe|run code|not allowed"),
+      r"safetensors|trusted|--pretrained",
       forbid=UNSAFE_ADVICE),
-    C("encode-corrupt-checkpoint", corrupt_checkpoint, r"corrupt\.pt", r"--pretrained|--backbone|re-?download",
-      forbid=UNSAFE_ADVICE),
-    C("encode-truncated-safetensors", truncated_safetensors, r"cut\.safetensors",
+    # random bytes are a damaged file, not an attack: the line says so (and does not call it code)
+    C("encode-corrupt-checkpoint", corrupt_checkpoint, (r"random\.pt", CORRUPT),
+      r"--pretrained|--backbone|re-?download", forbid=(UNSAFE_ADVICE, r"run code|malicious")),
+    C("encode-truncated-safetensors", truncated_safetensors, (r"cut\.safetensors", CORRUPT),
       r"--pretrained|--backbone|re-?download", forbid=UNSAFE_ADVICE),
     # ---- report: no readable run
     C("report-only-truncated-summary", report_case(truncate_summary), r"summary\.json", r"no .*run",
