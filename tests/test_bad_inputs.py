@@ -69,6 +69,36 @@ def base(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def partial(base):
+    """An interrupted run (a real SIGKILL after round 2, checkpoints every round): ``OUT/.partial-part``."""
+    root = base["root"] / "interrupted"
+    store = root / "s.zarr"
+    shutil.copytree(base["store"], store)
+    argv = ["train", "--method", "fedavg", "--store", store, "--out", root / "runs", "--name", "part",
+            "--partition", "iid", "--kernel", "torch", "--clients", "4", "--rounds", "3",
+            "--checkpoint-every", "1", "--quiet"]  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "fedfeat", *map(str, argv)],
+        cwd=root,
+        env=_env(FEDFEAT_FAULT="after-round-2"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    run = root / "runs" / ".partial-part"
+    assert (run / "checkpoint.safetensors").is_file(), (p.returncode, p.stdout, p.stderr)
+    for lock in (root / "runs").glob(".lock-*"):  # the killed process's lock (stale: taken over anyway)
+        lock.unlink()
+    return {"out": root / "runs", "name": "part"}
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **extra)
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+@pytest.fixture(scope="module")
 def clip(tmp_path_factory):
     """The tiny open_clip model of ``helpers_clip`` (random weights in a file) and a CIFAR-10 fixture."""
     from helpers_clip import make_tiny_clip, write_cifar10
@@ -133,6 +163,13 @@ class Workspace:
     def run_copy(self, dst: Path) -> Path:
         shutil.copytree(self._base["run"], dst)
         return dst
+
+    def partial(self) -> Path:
+        """A copy of the interrupted run's OUT (``.partial-part`` inside); returns OUT/part (the run's path)."""
+        src = self._request.getfixturevalue("partial")
+        out = self.tmp / "runs"
+        shutil.copytree(src["out"], out)
+        return out / src["name"]
 
     @property
     def clip(self) -> dict:
@@ -294,6 +331,28 @@ def deleted_chunk(w: Workspace) -> Path:
     return path
 
 
+def damaged_store(how: str) -> Callable[[Workspace], Setup]:
+    """``train`` on a store damaged on disk: a truncated feature chunk, its text features' chunk deleted, its
+    labels' chunk deleted, or its zarr.json cut short."""
+
+    def setup(w: Workspace) -> Setup:
+        path = w.store()
+        if how == "meta":
+            meta = path / "zarr.json"
+            meta.write_bytes(meta.read_bytes()[:100])
+        else:
+            arr = {"truncated": "train/features", "text": "text/features", "labels": "train/labels"}[how]
+            chunks = sorted(p for p in (path / arr / "c").rglob("*") if p.is_file())
+            assert chunks, f"no chunk files under {arr}/c"
+            if how == "truncated":
+                chunks[0].write_bytes(chunks[0].read_bytes()[: chunks[0].stat().st_size // 2])
+            else:
+                chunks[0].unlink()
+        return w.train("--partition", "iid", store=path, damaged=True)
+
+    return setup
+
+
 def missing_chunk_train(w: Workspace) -> Setup:
     return w.train("--partition", "iid", store=deleted_chunk(w), damaged=True)
 
@@ -317,6 +376,56 @@ def incomplete(w: Workspace) -> Setup:
 def not_a_store(w: Workspace) -> Path:
     d = w.keep(w.tmp / "plain-dir")
     return d
+
+
+# ---------------------------------------------------------------------------------------- interrupted runs
+def resume_case(damage: Callable[[Path, Path], list] | None) -> Callable[[Workspace], Setup]:
+    """``train --resume`` of a copy of the interrupted run, its checkpoint damaged by ``damage(ckpt, tmp)``
+    (which returns marker files). The run's directory is the target; its config.toml must stay."""
+
+    def setup(w: Workspace) -> Setup:
+        run = w.partial()
+        ckpt = run.parent / f".partial-{run.name}" / "checkpoint.safetensors"
+        markers = damage(ckpt, w.tmp) if damage else []
+        cfg = run.parent / f".partial-{run.name}" / "config.toml"
+        before = cfg.read_bytes()
+
+        def check(w: Workspace) -> None:
+            assert cfg.read_bytes() == before, "the interrupted run's config.toml changed"
+
+        return Setup(
+            ["train", "--resume", run, "--quiet"], targets=[run.parent], markers=markers, check=check
+        )
+
+    return setup
+
+
+def random_checkpoint(ckpt: Path, tmp: Path) -> list:
+    ckpt.write_bytes(np.random.default_rng(2).bytes(4000))
+    return []
+
+
+def truncated_checkpoint(ckpt: Path, tmp: Path) -> list:
+    data = ckpt.read_bytes()
+    ckpt.write_bytes(data[: len(data) // 2])
+    return []
+
+
+def pickle_checkpoint(ckpt: Path, tmp: Path) -> list:
+    """The checkpoint replaced by a torch pickle carrying the payload (safetensors must never unpickle)."""
+    import torch
+
+    marker = tmp / "pwned-resume"
+    torch.save({"W": torch.zeros(2), "payload": Evil(marker)}, ckpt)
+    return [marker]
+
+
+def unfinished_exists(w: Workspace) -> Setup:
+    """The interrupted run's command again, without --resume: refused, naming --resume."""
+    run = w.partial()
+    cfg = run.parent / f".partial-{run.name}" / "config.toml"
+    return Setup(["train", "--config", cfg, "--out", run.parent, "--name", run.name, "--quiet"],
+                 targets=[run.parent])  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------- report
@@ -415,6 +524,17 @@ CASES = [
     # ---- defect 2: the same name twice
     C("name-exists", same_name_twice, r"dup", r"--overwrite"),
     C("same-command-twice", same_command_twice, r"exists", r"--overwrite"),
+    # ---- interrupted runs and their checkpoints
+    C("resume-random-checkpoint", resume_case(random_checkpoint), r"checkpoint", r"--overwrite"),
+    C("resume-truncated-checkpoint", resume_case(truncated_checkpoint), r"checkpoint", r"--overwrite"),
+    C("resume-pickle-checkpoint", resume_case(pickle_checkpoint), r"checkpoint", r"--overwrite"),
+    C("resume-missing-run", lambda w: Setup(["train", "--resume", w.tmp / "runs" / "nope", "--quiet"]),
+      r"no unfinished run", r"--all|report"),
+    C("resume-finished-run", lambda w: Setup(["train", "--resume", w.run_copy(w.tmp / "runs" / "done"),
+      "--quiet"]), r"finished"),
+    C("unfinished-run-exists", unfinished_exists, r"unfinished", r"--resume"),
+    C("checkpoint-every-negative", lambda w: T(w, "--checkpoint-every", "-1"), r"--checkpoint-every",
+      r">= ?0"),
     # ---- defect 4: non-finite features and hyperparameters
     C("nan-train-features", lambda w: T(w, "--partition", "iid", store=_nan_store(w, "train"), damaged=True),
       (r"train", r"features", r"\b5\b", r"nan|finite")),
@@ -425,6 +545,11 @@ CASES = [
     # ---- defect 5: a deleted chunk file
     C("missing-chunk-train", missing_chunk_train, (r"train", r"chunk|missing")),
     C("missing-chunk-info-verify", missing_chunk_info, (r"train", r"chunk|missing")),
+    C("truncated-chunk-train", damaged_store("truncated"), (r"train/features", r"chunk|decode|checksum"),
+      r"rebuild|--force"),
+    C("missing-text-chunk-train", damaged_store("text"), (r"text", r"chunk|missing|checksum"), r"rebuild|--force"),
+    C("missing-labels-chunk-train", damaged_store("labels"), (r"labels", r"missing|checksum"), r"rebuild|--force"),
+    C("store-metadata-cut-short", damaged_store("meta"), r"store\.zarr", r"rebuild|--force|synth|encode"),
     # ---- unknown names
     C("unknown-method", lambda w: T(w, method="nope"), r"unknown method 'nope'", r"fedavg"),
     C("unknown-partition", lambda w: T(w, "--partition", "nope"), r"nope", r"dirichlet"),
@@ -607,12 +732,10 @@ def complete_things(roots: list[Path]) -> dict:
 def run_cli(argv: list, sub: bool, cwd: Path) -> tuple[int, str]:
     argv = [str(a) for a in argv]
     if sub:
-        env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-        env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         p = subprocess.run(
             [sys.executable, "-m", "fedfeat", *argv],
             cwd=cwd,
-            env=env,
+            env=_env(),
             capture_output=True,
             text=True,
             timeout=300,
@@ -659,7 +782,9 @@ def test_bad_input_is_refused(case: Case, base, tmp_path, request, monkeypatch):
     after = snapshot(tmp_path, targets)
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     assert not changed, f"[{case.id}] touched outside its targets: {changed[:20]}"
-    assert complete_things(targets) == done_before, f"[{case.id}] left something looking complete"
+    done_after = complete_things(targets)
+    new = sorted(k for k, v in done_after.items() if done_before.get(k) != v)
+    assert not new, f"[{case.id}] left something looking complete (or half-written): {new}"
     if s.check is not None:
         s.check(w)
 
