@@ -537,14 +537,14 @@ CASES = [
       r">= ?0"),
     # ---- defect 4: non-finite features and hyperparameters
     C("nan-train-features", lambda w: T(w, "--partition", "iid", store=_nan_store(w, "train"), damaged=True),
-      (r"train", r"features", r"\b5\b", r"nan|finite")),
+      (r"train", r"features", r"\b5\b", r"nan|finite"), r"rebuild|re-?encode|--force"),
     C("inf-text-features", lambda w: T(w, "--partition", "iid", store=_nan_store(w, "text"), damaged=True),
-      (r"text", r"features", r"inf|finite")),
+      (r"text", r"features", r"inf|finite"), r"rebuild|re-?encode|--force"),
     C("set-lr-nan", lambda w: T(w, "--set", "lr=nan"), r"\blr\b", r"finite"),
     C("set-logit-scale-inf", lambda w: T(w, "--set", "logit_scale=inf"), r"logit_scale", r"finite"),
     # ---- defect 5: a deleted chunk file
-    C("missing-chunk-train", missing_chunk_train, (r"train", r"chunk|missing")),
-    C("missing-chunk-info-verify", missing_chunk_info, (r"train", r"chunk|missing")),
+    C("missing-chunk-train", missing_chunk_train, (r"train", r"chunk|missing"), r"rebuild|re-?encode|--force"),
+    C("missing-chunk-info-verify", missing_chunk_info, (r"train", r"chunk|missing"), r"rebuild|re-?encode|--force"),
     C("truncated-chunk-train", damaged_store("truncated"), (r"train/features", r"chunk|decode|checksum"),
       r"rebuild|--force"),
     C("missing-text-chunk-train", damaged_store("text"), (r"text", r"chunk|missing|checksum"), r"rebuild|--force"),
