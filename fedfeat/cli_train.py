@@ -33,6 +33,19 @@ def register(app: typer.Typer) -> None:
             None,
             help="Partition seed (default FedNTD's 19940817, or CLIP2FL's 7 for dirichlet-equal/longtail).",
         ),
+        shots: Optional[int] = typer.Option(
+            None, help="Samples per client class for --partition disjoint-classes (Fed-MP; default 10)."
+        ),
+        local_val: Optional[str] = typer.Option(
+            None,
+            help="Open vocabulary: each client's train/validation split: paper (2 of 10 shots per class, default), "
+            "code (Fed-MP's 80/20 permutation) or none.",
+        ),
+        query_val: Optional[str] = typer.Option(
+            None,
+            help="Open vocabulary: the novel-class query set: paper (20 %% validation / 80 %% test, default) or code "
+            "(all test).",
+        ),
         clients: Optional[int] = typer.Option(None, help="Number of clients. Default 100."),
         participation: Optional[float] = typer.Option(
             None, help="Fraction of clients per round; max(1, int(p * clients)) are sampled. Default 0.1."
@@ -106,6 +119,9 @@ def register(app: typer.Typer) -> None:
             "imbalance_factor": imbalance_factor,
             "partition_seed": partition_seed,
             "clients": clients,
+            "shots": shots,
+            "local_val": local_val,
+            "query_val": query_val,
             "participation": participation,
             "rounds": rounds,
             "seed": seed,

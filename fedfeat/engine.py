@@ -28,6 +28,7 @@ convention): the engine does not even hold the training labels in the method's c
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -91,6 +92,7 @@ class Context:
     train_counts: torch.Tensor | None = None  # [K] training samples per class (labelled methods only)
     state: dict = field(default_factory=dict)  # persistent method state (per-sample / per-client tensors)
     threads: int = 1  # CPU threads of a fused kernel (torch's thread count when the run began)
+    open_vocab: object | None = None  # fedfeat.openvocab.OpenVocab (normalised like feats) in that setting
 
     @property
     def K(self) -> int:
@@ -292,6 +294,7 @@ class RunData:
     clip_logit_scale: float
     class_names: list[str]
     train_counts: torch.Tensor  # [K] counts over the partition's samples
+    open_vocab: object | None = None  # fedfeat.openvocab.OpenVocab; test_x/test_y are then the query set
 
 
 def _normalize(x: torch.Tensor) -> torch.Tensor:
@@ -322,11 +325,19 @@ def build_context(data: RunData, method, seed: int, device: torch.device) -> Con
         labels=data.train_y if method.uses_labels else None,
         train_counts=data.train_counts if method.uses_labels else None,
     )
+    ov = data.open_vocab
+    if ov is not None:
+        f = _normalize if norm else (lambda x: x)
+        ctx.open_vocab = dataclasses.replace(
+            ov, val_x=f(ov.val_x), query_x=f(ov.query_x), qval_x=f(ov.qval_x), base_x=f(ov.base_x)
+        )
     return ctx
 
 
 @torch.no_grad()
 def evaluate(method, ctx: Context, glob: dict, test_y: torch.Tensor, n_classes: int) -> dict:
+    if ctx.open_vocab is not None:
+        return evaluate_open_vocab(method, ctx, glob, test_y, n_classes)
     logits = method.predict(ctx, glob, ctx.test_x)
     pred = logits.argmax(1)
     correct = (pred == test_y).to(torch.float64)
@@ -336,6 +347,39 @@ def evaluate(method, ctx: Context, glob: dict, test_y: torch.Tensor, n_classes: 
     cnt = torch.bincount(test_y, minlength=n_classes).to(torch.float64)
     pc = (per_class / cnt.clamp_min(1)).tolist()
     return {"acc": float(correct.mean()) * 100, "per_class_acc": [100 * v for v in pc], "pred": pred}
+
+
+@torch.no_grad()
+def evaluate_open_vocab(method, ctx: Context, glob: dict, test_y: torch.Tensor, n_classes: int) -> dict:
+    """Novel accuracy over the novel vocabulary (the query set ``ctx.test_x``), macro P/R/F1 over the novel
+    classes, base accuracy over the base vocabulary and their harmonic mean (``fedfeat.openvocab``)."""
+    from fedfeat.openvocab import harmonic_mean, macro_prf
+
+    ov = ctx.open_vocab
+    novel = ov.novel.to(test_y.device)
+    pred = method.predict_classes(ctx, glob, ctx.test_x, novel)  # [Nq] class ids
+    correct = (pred == test_y).to(torch.float64)
+    hits = torch.zeros(n_classes, dtype=torch.float64, device=test_y.device).index_add_(0, test_y, correct)
+    cnt = torch.bincount(test_y, minlength=n_classes).to(torch.float64)
+    precision, recall, f1 = macro_prf(pred, test_y, novel)
+    acc = float(correct.mean()) * 100 if len(correct) else 0.0
+    base_acc = None
+    if len(ov.base_y):
+        by = ov.base_y.to(test_y.device)
+        bpred = method.predict_classes(ctx, glob, ov.base_x, ov.base.to(test_y.device))
+        bc = (bpred == by).to(torch.float64)
+        base_acc = float(bc.mean()) * 100
+        hits.index_add_(0, by, bc)
+        cnt += torch.bincount(by, minlength=n_classes).to(torch.float64)
+    extra = {
+        "novel_precision": 100 * precision,
+        "novel_recall": 100 * recall,
+        "novel_f1": 100 * f1,
+        "base_acc": base_acc,
+        "hm": harmonic_mean(acc, base_acc),
+    }
+    pc = (hits / cnt.clamp_min(1)).tolist()
+    return {"acc": acc, "per_class_acc": [100 * v for v in pc], "pred": pred, "extra": extra}
 
 
 KERNELS = ("auto", "fused", "torch")
@@ -442,7 +486,13 @@ def _run(
 
     def record(rnd: int, t0: float, extra: dict) -> None:
         ev = evaluate(method, ctx, glob, data.test_y, K)
-        row = {"round": rnd, "test_acc": ev["acc"], "per_class_acc": ev["per_class_acc"], **extra}
+        row = {
+            "round": rnd,
+            "test_acc": ev["acc"],
+            "per_class_acc": ev["per_class_acc"],
+            **ev.get("extra", {}),
+        }
+        row.update(extra)
         row.update(method.round_metrics(ctx, data, glob, ev))
         row["seconds"] = time.perf_counter() - t0
         metrics.append(row)
@@ -510,35 +560,107 @@ def check_labels(store) -> None:
 
 
 def load_run_data(
-    store, partition, *, device="cpu", centralized: bool = False, dtype=torch.float32
+    store,
+    partition,
+    *,
+    device="cpu",
+    centralized: bool = False,
+    dtype=torch.float32,
+    local_val: str = "paper",
+    query_val: str = "paper",
+    query_seed: int = 0,
 ) -> RunData:
     """Load a store's train (in the partition's client-major order) and test splits onto ``device``.
 
     ``dtype`` float32 by default (stored float16 is upcast: never compute in float16 on a CPU); float64 is
-    for exactness checks (the engines agree to ~1e-12 there)."""
+    for exactness checks (the engines agree to ~1e-12 there). A ``disjoint-classes`` partition makes the run
+    open-vocabulary (``fedfeat.openvocab``: ``local_val`` and ``query_val`` say how the clients' shots and the
+    query set are split; the query set, not the whole test split, is then ``test_x`` / ``test_y``)."""
+    check_labels(store)
+    labels = store.labels("train")
+    ov_parts = None
+    if partition.scheme == "disjoint-classes":
+        from fedfeat import openvocab
+        from fedfeat.partition import Partition
+
+        openvocab.check_modes(local_val, query_val)
+        train_pos, val_pos = openvocab.local_split(partition.clients, labels, local_val)
+        ov_parts = (partition.clients, train_pos, val_pos)
+        partition = Partition(partition.scheme, partition.params, train_pos)
     order, offsets = partition.order_and_offsets()
     if centralized:
         offsets = np.array([0, len(order)], dtype=np.int64)
-    check_labels(store)
     feats = store.features("train")
-    labels = store.labels("train")
     K = store.n_classes
     x = torch.from_numpy(feats[order]).to(device=device, dtype=dtype)
     y = torch.from_numpy(labels[order]).to(device)
-    tx = torch.from_numpy(store.features("test")).to(device=device, dtype=dtype)
-    ty_np = store.labels("test")
+    has_test = "test" in store.splits
+    tx_np = store.features("test") if has_test else feats
+    ty_np = store.labels("test") if has_test else labels
     keep = ty_np >= 0
+    ov = None
+    if ov_parts is not None:
+        ov, keep = _open_vocab(
+            ov_parts, labels, feats, tx_np, ty_np, has_test, K, query_val, query_seed, device, dtype
+        )
+    tx = torch.from_numpy(tx_np[keep]).to(device=device, dtype=dtype)
     return RunData(
         train_x=x,
         train_y=y,
         offsets=torch.from_numpy(offsets.astype(np.int64)),
-        test_x=tx[torch.from_numpy(keep)] if not keep.all() else tx,
+        test_x=tx,
         test_y=torch.from_numpy(ty_np[keep]).to(device),
         text_all=torch.from_numpy(store.text_features()).to(device=device, dtype=dtype),
         clip_logit_scale=store.logit_scale,
         class_names=store.class_names,
         train_counts=torch.bincount(y.cpu(), minlength=K),
+        open_vocab=ov,
     )
+
+
+def _open_vocab(parts, labels, feats, tx_np, ty_np, has_test, K, query_val, query_seed, device, dtype):
+    """The ``OpenVocab`` of a disjoint-classes partition, and the query set's test rows (``keep``)."""
+    from fedfeat import openvocab
+
+    clients, train_pos, val_pos = parts
+    lists = openvocab.class_lists(clients, labels)
+    base = np.unique(np.concatenate(lists)) if lists else np.zeros(0, dtype=np.int64)
+    novel = np.setdiff1d(np.arange(K), base)
+    local = []  # per training row: its class's index in its client's list (Fed-MP's residual rows)
+    for c, p in zip(lists, train_pos):
+        lookup = np.full(K, -1, dtype=np.int64)
+        lookup[c] = np.arange(len(c))
+        local.append(lookup[labels[p]])
+    used = np.zeros(len(labels), dtype=bool)
+    used[np.concatenate(clients)] = True
+    avail = (ty_np >= 0) if has_test else ((labels >= 0) & ~used)  # no test split: the images clients lack
+    q_rows = np.flatnonzero(avail & np.isin(ty_np, novel))
+    qv, qt = openvocab.query_split(ty_np[q_rows], query_val, query_seed)
+    b_rows = np.flatnonzero(avail & np.isin(ty_np, base))
+    vorder = np.concatenate(val_pos) if val_pos else np.zeros(0, dtype=np.int64)
+    voffs = np.concatenate([[0], np.cumsum([len(v) for v in val_pos])]).astype(np.int64)
+
+    def t(a, dt=dtype):
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dt)
+
+    ov = openvocab.OpenVocab(
+        base=t(base, torch.int64),
+        novel=t(novel, torch.int64),
+        client_classes=[t(c, torch.int64) for c in lists],
+        local_index=t(np.concatenate(local) if local else np.zeros(0), torch.int64),
+        val_x=t(feats[vorder]),
+        val_y=t(labels[vorder], torch.int64),
+        val_offsets=torch.from_numpy(voffs),
+        query_x=t(tx_np[q_rows[qt]]),
+        query_y=t(ty_np[q_rows[qt]], torch.int64),
+        qval_x=t(tx_np[q_rows[qv]]),
+        qval_y=t(ty_np[q_rows[qv]], torch.int64),
+        base_x=t(tx_np[b_rows]),
+        base_y=t(ty_np[b_rows], torch.int64),
+    )
+    keep = np.zeros(len(ty_np), dtype=bool)
+    keep[q_rows[qt]] = True
+    return ov, keep
 
 
 def resolve_device(name: str) -> torch.device:

@@ -57,6 +57,9 @@ DEFAULTS = {
     "out": "runs",
     "name": None,
     "shot_thresholds": None,
+    "shots": None,
+    "local_val": None,
+    "query_val": None,
     "store_fingerprint": None,
 }
 TYPES = {
@@ -68,6 +71,7 @@ TYPES = {
     "clients": int,
     "rounds": int,
     "seed": int,
+    "shots": int,
 }  # every other key is a string
 # settings that do not enter a run's identity hash (the name shows them, or they say where, not what)
 NOT_IN_HASH = ("method", "store", "out", "name", "seed", "store_fingerprint", "params")
@@ -92,6 +96,9 @@ class RunConfig:
     partition_seed: int | None = None
     name: str | None = None
     shot_thresholds: str | None = None  # "many,few" counts, e.g. "1500,200" (CIFAR-10-LT) or "100,20"
+    shots: int | None = None  # disjoint-classes: samples per client class (default 10)
+    local_val: str | None = None  # open vocabulary: clients' train/validation split, paper | code | none
+    query_val: str | None = None  # open vocabulary: query set's validation part, paper | code
     store_fingerprint: str | None = None  # a replayed config's store must have this fingerprint hash
     params: dict = field(default_factory=dict)  # method hyperparameters (--set key=value)
 
@@ -189,6 +196,11 @@ def validate_config(cfg: RunConfig) -> None:
         bad("imbalance_factor", f"must be a finite number >= 1, got {cfg.imbalance_factor} (e.g. 100)")
     if cfg.shards is not None and cfg.shards < 1:
         bad("shards", f"must be >= 1, got {cfg.shards}")
+    if cfg.shots is not None and cfg.shots < 1:
+        bad("shots", f"must be >= 1, got {cfg.shots} (Fed-MP: 10)")
+    from fedfeat.openvocab import check_modes
+
+    check_modes(cfg.local_val or "paper", cfg.query_val or "paper")
     if cfg.name is not None:
         rundir.check_name(cfg.name)
 
@@ -335,6 +347,7 @@ def run_partition(store, cfg: RunConfig, save: bool):
         alpha=cfg.alpha,
         shards=cfg.shards,
         imbalance_factor=cfg.imbalance_factor,
+        shots=cfg.shots,
         seed=cfg.partition_seed,
         save=False,
     )
@@ -477,7 +490,14 @@ def _train_locked(
 
                 to_json(part, rd.partial / "partition.json")  # computed here: kept with the run
         centralized = getattr(method, "centralized", False)
-        data = load_run_data(store, part, device=device, centralized=centralized)
+        data = load_run_data(
+            store,
+            part,
+            device=device,
+            centralized=centralized,
+            local_val=cfg.local_val or "paper",
+            query_val=cfg.query_val or "paper",
+        )
         groups = shot_groups(data.train_counts.cpu().numpy(), cfg.shot_thresholds)
         test_counts = np.bincount(data.test_y.cpu().numpy(), minlength=len(data.class_names))
         mpath = rd.partial / "metrics.jsonl"
@@ -606,7 +626,7 @@ def _summary(cfg, method, method_params, kernel, device, key, name, metrics, wal
         "final_acc": accs[-1],
         "best_acc": max(accs),
         "best_round": int(np.argmax(accs)),
-        **{k: last[k] for k in ("many_acc", "medium_acc", "few_acc", "pseudo_label_acc") if k in last},
+        **{k: last[k] for k in SUMMARY_EXTRAS if k in last},
         "bytes_up": int(sum(r["bytes_up"] for r in metrics)),
         "bytes_down": int(sum(r["bytes_down"] for r in metrics)),
         "seconds": wall,  # this process: loading, set-up, kernel compilation on first use, its rounds
@@ -626,6 +646,8 @@ def _summary(cfg, method, method_params, kernel, device, key, name, metrics, wal
     }
 
 
+SUMMARY_EXTRAS = ("many_acc", "medium_acc", "few_acc", "pseudo_label_acc", "novel_precision", "novel_recall",
+                  "novel_f1", "base_acc", "hm")  # fmt: skip
 SUMMARY_KEYS = ("method", "partition", "rounds", "initial_acc", "final_acc", "best_acc", "seconds_per_round",
                 "bytes_up", "params")  # fmt: skip
 
@@ -749,6 +771,10 @@ def report(
         cols += ["many", "medium", "few"]
     if has_pl:
         cols += ["pseudo-label acc"]
+    ov_keys = ("novel_precision", "novel_recall", "novel_f1", "base_acc", "hm")
+    has_ov = any("novel_f1" in s for s, _, _ in runs)
+    if has_ov:  # open vocabulary: final acc is the novel accuracy
+        cols += ["novel P", "novel R", "novel F1", "base acc", "HM"]
     cols += ["s/round", "MB up"]
     rows = []
     for s, _m, _ in runs:
@@ -768,6 +794,8 @@ def report(
             row += [_fmt(s.get(k)) for k in ("many_acc", "medium_acc", "few_acc")]
         if has_pl:
             row += [_fmt(s.get("pseudo_label_acc"))]
+        if has_ov:
+            row += [_fmt(s.get(k)) for k in ov_keys]
         row += [f"{s['seconds_per_round']:.3f}", f"{s['bytes_up'] / 1e6:.1f}"]
         rows.append(row)
     if plot is not None:

@@ -227,6 +227,14 @@ class Method:
     def predict(self, ctx: Context, glob: dict, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def predict_classes(
+        self, ctx: Context, glob: dict, x: torch.Tensor, classes: torch.Tensor
+    ) -> torch.Tensor:
+        """Predicted class ids of ``x`` among ``classes  # [Kv]`` only (the open-vocabulary evaluation): the argmax
+        of ``predict``'s logits over those columns. A method with a test-time procedure (Fed-MP's prototypes)
+        overrides it."""
+        return classes[self.predict(ctx, glob, x)[:, classes].argmax(1)]
+
     def round_metrics(self, ctx: Context, data, glob: dict, ev: dict) -> dict:
         """Extra per-round metrics (e.g. pseudo-label accuracy); ``data`` holds the engine's labels."""
         return {}
