@@ -33,6 +33,12 @@ def register(app: typer.Typer) -> None:
             None,
             help="Partition seed (default FedNTD's 19940817, or CLIP2FL's 7 for dirichlet-equal/longtail).",
         ),
+        preset: Optional[str] = typer.Option(
+            None,
+            help="A Fed-MP dataset preset (caltech101, food101, flowers102, ucf101, fgvc-aircraft, stanford-cars): "
+            "disjoint-classes, 10 shots, 10 clients, all clients, 2 rounds and the reference code's partition seed "
+            "for that dataset; flags override it (README, open vocabulary).",
+        ),
         shots: Optional[int] = typer.Option(
             None, help="Samples per client class for --partition disjoint-classes (Fed-MP; default 10)."
         ),
@@ -120,6 +126,7 @@ def register(app: typer.Typer) -> None:
             "partition_seed": partition_seed,
             "clients": clients,
             "shots": shots,
+            "preset": preset,
             "local_val": local_val,
             "query_val": query_val,
             "participation": participation,

@@ -26,6 +26,19 @@ import torch
 
 from fedfeat.errors import FedfeatError
 
+# Fed-MP's datasets (``dataset/utils.py``): client i draws its classes with ``np.random.seed(i + offset)``; in
+# fedfeat's ``disjoint_classes`` that is ``partition_seed = offset - 1``. Class names as the reference code forms
+# them (give them to ``fedfeat encode`` as the dataset's class-name file where the folder names differ).
+PRESETS = {
+    "caltech101": {"seed": 0, "classes": 102, "names": "folder names as they are (BACKGROUND_Google and Faces_easy kept)"},
+    "food101": {"seed": 0, "classes": 101, "names": "folder names as they are (apple_pie)"},
+    "flowers102": {"seed": 0, "classes": 102, "names": "flower_attribute_dict's 102 names (flower_data/train)"},
+    "ucf101": {"seed": -1, "classes": 101, "names": "folder names with CamelCase split into words"},
+    "fgvc-aircraft": {"seed": -1, "classes": 70, "names": "family strings (images_family_*.txt)"},
+    "stanford-cars": {"seed": 1, "classes": 196, "names": "cars_annos.mat class names"},
+}  # fmt: skip
+PRESET_RUN = {"partition": "disjoint-classes", "shots": 10, "clients": 10, "participation": 1.0, "rounds": 2}
+
 LOCAL_VAL = ("paper", "code", "none")
 QUERY_VAL = ("paper", "code")
 
@@ -37,7 +50,9 @@ class OpenVocab:
     base: torch.Tensor  # [Kb] int64 classes some client holds, sorted
     novel: torch.Tensor  # [Kn] int64 classes no client holds, sorted
     client_classes: list[torch.Tensor]  # per client: its class ids in draw order ([Kc] each)
-    local_index: torch.Tensor  # [N] int64 per training row (client-major): its class's index in its client's list
+    local_index: (
+        torch.Tensor
+    )  # [N] int64 per training row (client-major): its class's index in its client's list
     val_x: torch.Tensor  # [Nv, D] the clients' local validation shots, client-major
     val_y: torch.Tensor  # [Nv]
     val_offsets: torch.Tensor  # [clients + 1]

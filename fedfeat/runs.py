@@ -61,6 +61,7 @@ DEFAULTS = {
     "local_val": None,
     "query_val": None,
     "store_fingerprint": None,
+    "preset": None,
 }
 TYPES = {
     "alpha": float,
@@ -100,6 +101,9 @@ class RunConfig:
     local_val: str | None = None  # open vocabulary: clients' train/validation split, paper | code | none
     query_val: str | None = None  # open vocabulary: query set's validation part, paper | code
     store_fingerprint: str | None = None  # a replayed config's store must have this fingerprint hash
+    preset: str | None = (
+        None  # a dataset preset (fedfeat.openvocab.PRESETS): its settings, its class count checked
+    )
     params: dict = field(default_factory=dict)  # method hyperparameters (--set key=value)
 
 
@@ -167,6 +171,15 @@ def resolve_config(cli: dict, config_file: Path | None, sets: list[str] | None) 
         params.update(data.get("params", {}))
     given = {k: v for k, v in cli.items() if v is not None}
     _check_types(given, "flags")
+    preset = given.get("preset", merged.get("preset"))
+    if preset is not None:  # the preset's settings, under anything the config file or the flags say
+        from fedfeat.openvocab import PRESET_RUN, PRESETS
+
+        if preset not in PRESETS:
+            raise FedfeatError(f"unknown preset '{preset}'; known presets: {', '.join(PRESETS)}")
+        base = {**PRESET_RUN, "partition_seed": PRESETS[preset]["seed"]}
+        file_keys = set(run) if config_file is not None else set()
+        merged.update({k: v for k, v in base.items() if k not in file_keys})
     if "store" in given:
         merged["store_fingerprint"] = None
     merged.update(given)
@@ -324,6 +337,15 @@ def open_store(cfg: RunConfig):
 
     store = FeatureStore.open(cfg.store, mode="r")
     check_labels(store)
+    if cfg.preset is not None:
+        from fedfeat.openvocab import PRESETS
+
+        want = PRESETS[cfg.preset]["classes"]
+        if store.n_classes != want:
+            raise FedfeatError(
+                f"preset {cfg.preset} is for a store of {want} classes, {cfg.store} has {store.n_classes}; pass "
+                "the store encoded from that dataset, or drop --preset"
+            )
     have = store.attrs.get("fingerprint_hash")
     if cfg.store_fingerprint is not None and have != cfg.store_fingerprint:
         raise FedfeatError(
