@@ -181,6 +181,11 @@ def register(app: typer.Typer) -> None:
         all_runs: bool = typer.Option(
             False, "--all", help="Also list unfinished runs (interrupted or running) and how to resume them."
         ),
+        seeds: bool = typer.Option(
+            False,
+            "--seeds",
+            help="One row per group of runs that differ only in --seed: mean ± std (sample, n - 1) and n.",
+        ),
     ) -> None:
         """Compare finished runs: a table (markdown/CSV) and one plot with all curves.
 
@@ -188,6 +193,6 @@ def register(app: typer.Typer) -> None:
         from fedfeat.runs import report as make_report
 
         warn = lambda msg: typer.echo(msg, err=True)  # noqa: E731
-        typer.echo(make_report(runs, fmt=fmt, plot=plot, all_runs=all_runs, warn=warn))
+        typer.echo(make_report(runs, fmt=fmt, plot=plot, all_runs=all_runs, seeds=seeds, warn=warn))
         if plot is not None:
             typer.echo(f"plot: {plot}")

@@ -577,8 +577,8 @@ def load_model(
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         if isinstance(e, pickle.UnpicklingError):  # torch's text would advise weights_only=False: never
             raise FedfeatError(
-                f"refused to load checkpoint {weights.file}: it is not a plain tensor checkpoint (a weights-only "
-                "load found other objects, which could run code); get the weights from a trusted source, "
+                f"refused to load checkpoint {weights.file}: it is damaged or not a plain tensor checkpoint (a "
+                "weights-only load found other objects, which could run code); get the weights from a trusted source, "
                 "preferably as .safetensors, and pass that file to --pretrained"
             ) from None
         if weights.kind == "file":

@@ -746,9 +746,12 @@ def report(
     fmt: str = "markdown",
     plot: Path | None = None,
     all_runs: bool = False,
+    seeds: bool = False,
     warn=None,
 ) -> str:
     """A comparison table of finished runs (markdown or CSV) and, optionally, all their curves in one PNG.
+
+    ``seeds``: one row per group of runs that differ only in ``--seed``: mean ± sample std (n - 1) and n.
 
     A path is a run directory or a parent of run directories; hidden entries (runs being written, temporary
     files) are never read as runs. A run that cannot be read is skipped with a one-line warning (``warn``); the
@@ -786,6 +789,8 @@ def report(
         warn(f"warning: {msg}")
     if not runs:
         return _unfinished_table(unfinished, fmt)
+    if seeds:
+        return seed_table([s for s, _, _ in runs], fmt)
     has_lt = any("many_acc" in s for s, _, _ in runs)
     has_pl = any(s.get("pseudo_label_acc") is not None for s, _, _ in runs)
     cols = ["method", "settings", "partition", "labels", "rounds", "round-0 acc", "final acc", "best acc"]
@@ -853,6 +858,37 @@ def _unfinished_table(rows: list[dict], fmt: str) -> str:
         for r in rows
     ]  # fmt: skip
     return _table(cols, cells, fmt)
+
+
+SEED_METRICS = {"final_acc": "final acc", "best_acc": "best acc", "novel_precision": "novel P",
+                "novel_recall": "novel R", "novel_f1": "novel F1", "base_acc": "base acc", "hm": "HM",
+                "many_acc": "many", "medium_acc": "medium", "few_acc": "few",
+                "pseudo_label_acc": "pseudo-label acc"}  # fmt: skip
+
+
+def seed_table(summaries: list[dict], fmt: str = "markdown") -> str:
+    """Runs grouped by everything but the seed (method, settings, store, partition, rounds, clients,
+    participation): each metric as mean ± sample standard deviation over the group's seeds, with n."""
+    groups: dict[tuple, list[dict]] = {}
+    for s in summaries:
+        defaults = _method_defaults(s["method"])
+        changed = " ".join(f"{k}={v}" for k, v in s["params"].items() if defaults.get(k, v) != v) or "-"
+        key = (s["method"], changed, s["partition"], s.get("store_fingerprint"), s["rounds"], s.get("clients"),
+               s.get("participation"))  # fmt: skip
+        groups.setdefault(key, []).append(s)
+    metrics = [k for k in SEED_METRICS if any(s.get(k) is not None for s in summaries)]
+    cols = ["method", "settings", "partition", "rounds", "n", "seeds"] + [SEED_METRICS[k] for k in metrics]
+    rows = []
+    for key, ss in groups.items():
+        row = [key[0], key[1], key[2], str(key[4]), str(len(ss)), ",".join(str(s["seed"]) for s in ss)]
+        for k in metrics:
+            v = np.array([s[k] for s in ss if s.get(k) is not None], dtype=np.float64)
+            if len(v) == 0:
+                row.append("-")
+            else:
+                row.append(f"{v.mean():.2f} ± {v.std(ddof=1):.2f}" if len(v) > 1 else f"{v[0]:.2f}")
+        rows.append(row)
+    return _table(cols, rows, fmt)
 
 
 def _fmt(v) -> str:

@@ -331,3 +331,19 @@ def test_every_demo_method_replays_from_its_config_elsewhere(store, tmp_path, mo
     r = _cli("train", "--config", run / "config.toml", "--out", "elsewhere", "--quiet")
     assert r.exit_code == 0, r.output
     _same_run(run, other / "elsewhere" / run.name)
+
+
+def test_seed_table_groups_runs_that_differ_only_in_seed():
+    from fedfeat.runs import seed_table
+
+    def s(method, seed, acc, lr=0.01):
+        return {"method": method, "seed": seed, "final_acc": acc, "best_acc": acc, "partition": "p", "rounds": 2,
+                "clients": 10, "participation": 1.0, "store_fingerprint": "f", "params": {"lr": lr}}  # fmt: skip
+
+    text = seed_table(
+        [s("fedavg", 0, 70.0), s("fedavg", 1, 74.0), s("fedavg", 2, 78.0), s("fedavg", 0, 50.0, 0.1)]
+    )
+    lines = text.splitlines()
+    assert len(lines) == 4  # header, rule, two groups
+    assert "| fedavg | - | p | 2 | 3 | 0,1,2 | 74.00 ± 4.00 |" in lines[2]  # sample std of 70, 74, 78
+    assert "| fedavg | lr=0.1 | p | 2 | 1 | 0 | 50.00 |" in lines[3]
