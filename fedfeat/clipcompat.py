@@ -576,10 +576,17 @@ def load_model(
     except Exception as e:  # open_clip reports bad checkpoints and failed downloads as many exception types
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         if isinstance(e, pickle.UnpicklingError):  # torch's text would advise weights_only=False: never
+            if (
+                "global" in str(e).lower()
+            ):  # the weights-only unpickler met a class or function: not plain tensors
+                raise FedfeatError(
+                    f"refused to load checkpoint {weights.file}: it holds objects other than tensors, which a "
+                    "weights-only load does not accept (they could run code); get the weights from a trusted "
+                    "source, preferably as .safetensors, and pass that file to --pretrained"
+                ) from None
             raise FedfeatError(
-                f"refused to load checkpoint {weights.file}: it is damaged or not a plain tensor checkpoint (a "
-                "weights-only load found other objects, which could run code); get the weights from a trusted source, "
-                "preferably as .safetensors, and pass that file to --pretrained"
+                f"cannot read checkpoint {weights.file}: it is damaged or not a torch checkpoint; re-download it or "
+                "pass another file to --pretrained"
             ) from None
         if weights.kind == "file":
             raise FedfeatError(
