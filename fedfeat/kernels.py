@@ -13,8 +13,11 @@ call per element), the per-sample loss gradient, accumulates the weight gradient
 L1, and applies the SGD step (``torch.optim.SGD`` semantics: weight decay into the gradient, momentum buffer
 ``buf = m buf + d``, zero at the start of a round) before the client's next step.
 
-It is the same mathematics as the torch path (``fedfeat.methods.linear``, ``fedfeat.methods.fst_cbdg``): the
-tests run both against the loop engine (``test_engine.py``, ``<= 1e-5``). Compiled by numba on first use (cached on disk next to this file).
+It is the same mathematics as the torch path (``fedfeat.methods.linear``, ``fedfeat.methods.fst_cbdg``), rounded
+differently: the tests run both against the loop engine (``test_engine.py``; ``test_kernel_exactness.py``: float64
+to ~1e-15; float32 to ~1e-7, except where FST-CBDG's argmax of a soft label falls on a near-tie that rounding
+decides, see there), and NaN / inf propagate as in torch (LLVM's fast-math flags without ``nnan`` / ``ninf``).
+Compiled by numba on first use (cached on disk next to this file).
 Used by the batched engine on CPU when ``--kernel auto`` (the default) or ``fused``; ``--kernel torch`` keeps the
 tensor program (the path the GPU always takes: there one ``bmm`` over all clients is the right program).
 
@@ -43,6 +46,12 @@ from numba.extending import intrinsic  # noqa: E402
 
 CE = 0
 NTD = 1
+
+# LLVM's fast-math flags for the kernels: reassociation (vectorised sums), contraction (FMA), reciprocals,
+# approximate functions and signless zeros -- not ``fastmath=True``, whose ``nnan`` / ``ninf`` let LLVM assume
+# that no value is NaN or infinite and drop their propagation (a NaN feature row then trained a finite head,
+# where the torch program gives NaN weights).
+_FM = {"nsz", "arcp", "contract", "afn", "reassoc"}
 
 
 @intrinsic
@@ -92,7 +101,7 @@ def _next_rows(prow, i):
     return (prow[min(i, n)], prow[min(i + 1, n)], prow[min(i + 2, n)], prow[min(i + 3, n)])
 
 
-@nb.njit(fastmath=True, inline="always")
+@nb.njit(fastmath=_FM, inline="always")
 def _dot24(P, p0, p1, Q, q0, q1, q2, q3, D, zero):
     """The eight dot products ``P[p_i, :D] . Q[q_j, :D]``, ``i < 2``, ``j < 4`` (8 accumulators, each loaded
     vector feeding 2 or 4 FMAs), in the order ``(p0 q0, p0 q1, p0 q2, p0 q3, p1 q0, .., p1 q3)``."""
@@ -122,7 +131,7 @@ def _dot24(P, p0, p1, Q, q0, q1, q2, q3, D, zero):
     return a0, a1, a2, a3, c0, c1, c2, c3
 
 
-@nb.njit(fastmath=True)
+@nb.njit(fastmath=_FM)
 def _dots4(Wj, bj, A, r0, r1, r2, r3, scale, zero, Z, F, nx):
     """``Z[0:4, k] = scale * (W_k . x_t + b_k)`` for the samples ``x_t = A[r_t]``: two weight rows x four samples
     per pass (8 accumulators; each loaded vector feeds 2 or 4 FMAs). An odd last row is paired with itself.
@@ -145,7 +154,7 @@ def _dots4(Wj, bj, A, r0, r1, r2, r3, scale, zero, Z, F, nx):
         Z[3, k1] = scale * (c3 + bj[k1])
 
 
-@nb.njit(fastmath=True)
+@nb.njit(fastmath=_FM)
 def _dots1(Wj, bj, A, r0, scale, zero, Z, t):
     K, D = Wj.shape
     for k in range(K):
@@ -155,7 +164,7 @@ def _dots1(Wj, bj, A, r0, scale, zero, Z, t):
         Z[t, k] = scale * (a0 + bj[k])
 
 
-@nb.njit(fastmath=True)
+@nb.njit(fastmath=_FM)
 def _dots2(Wj, bj, A, r0, r1, scale, zero, Z, t):
     """``Z[t + i, k] = scale * (W_k . x_i + b_k)`` for the two samples ``x_i = A[r_i]`` (a step's last two: a batch
     of 50 leaves two after its blocks of four): two samples x four weight rows per pass (``_dot24``; rows past
@@ -174,7 +183,7 @@ def _dots2(Wj, bj, A, r0, r1, scale, zero, Z, t):
         Z[t + 1, k3] = scale * (c3 + bj[k3])
 
 
-@nb.njit(fastmath=True)
+@nb.njit(fastmath=_FM)
 def _acc4(gW, G, A, r0, r1, r2, r3, zero, F, nx):
     """``gW += G[0:4]^T A[[r0, r1, r2, r3]]``: two gradient rows per pass over the four samples (an odd last row
     is paired with itself, with zero weights for the copy); prefetches the second half of ``nx``'s parts
@@ -196,7 +205,7 @@ def _acc4(gW, G, A, r0, r1, r2, r3, zero, F, nx):
             gW[k1, d] += h0 * y0 + h1 * y1 + h2 * y2 + h3 * y3
 
 
-@nb.njit(fastmath=True)
+@nb.njit(fastmath=_FM)
 def _acc1(gW, G, A, r0, t):
     K, D = gW.shape
     for k in range(K):
@@ -205,7 +214,7 @@ def _acc1(gW, G, A, r0, t):
             gW[k, d] += g0 * A[r0, d]
 
 
-@nb.njit(fastmath=True)
+@nb.njit(fastmath=_FM)
 def _acc2(gW, G, A, r0, r1, t, zero):
     """``gW += G[t:t + 2]^T A[[r0, r1]]`` (``_dots2``'s samples): two gradient rows per pass over the two samples
     (an odd last row is paired with itself, with zero weights for the copy)."""
@@ -226,7 +235,7 @@ def _acc2(gW, G, A, r0, r1, t, zero):
 _IOTA = np.arange(4)  # the rows of a block of formed samples (``X[0:4]``)
 
 
-@nb.njit(fastmath=True)
+@nb.njit(fastmath=_FM)
 def _dots_tail(Wj, bj, A, rows, i0, q, scale, zero, Z):
     """``Z[0:q]`` for a block of ``q < 4`` samples ``A[rows[i0 + t]]``: pairs by ``_dots2``, an odd last one by
     ``_dots1``."""
@@ -238,7 +247,7 @@ def _dots_tail(Wj, bj, A, rows, i0, q, scale, zero, Z):
         _dots1(Wj, bj, A, rows[i0 + t], scale, zero, Z, t)
 
 
-@nb.njit(fastmath=True)
+@nb.njit(fastmath=_FM)
 def _acc_tail(gW, G, A, rows, i0, q, zero):
     """``gW += G[0:q]^T A[rows[i0 : i0 + q]]`` for ``_dots_tail``'s block."""
     t = 0
@@ -284,7 +293,7 @@ _C0, _C1, _C2, _C3, _C4, _C5, _C6, _C7, _C8, _C9, _C10, _C11, _C12, _C13 = (
 )  # 1/k!
 
 
-@nb.njit(fastmath=True, inline="always")
+@nb.njit(fastmath=_FM, inline="always")
 def _exp(x):
     """``exp(x)`` in float64 for ``x`` of any float type, within ~2 ulp of float64 (so float32 callers get
     the correctly rounded float32 in practice), inlined and vectorisable: no libm call (numba's ``np.exp``
@@ -292,10 +301,12 @@ def _exp(x):
     ``x = n ln2 + r``, ``|r| <= ln2 / 2``, degree-13 Taylor polynomial of ``e^r`` (remainder < 1e-18; Estrin's
     scheme: 4 dependent multiply-adds instead of Horner's 13), times ``2^n`` built from its exponent bits.
     ``x`` is clamped to [-708, 708] (``e^-708`` ~ 3e-308: the softmax terms this is used for are far below any
-    float32 or float64 sum there)."""
-    x = min(max(np.float64(x), -708.0), 708.0)
-    n = np.floor(x * _LOG2E + 0.5)
-    r = (x - n * _LN2_HI) - n * _LN2_LO
+    float32 or float64 sum there); a NaN gives NaN."""
+    xf = np.float64(x)
+    xc = xf if xf > -708.0 else -708.0  # (a NaN becomes -708 here: n stays finite, its int64 defined)
+    xc = xc if xc < 708.0 else 708.0
+    n = np.floor(xc * _LOG2E + 0.5)
+    r = ((xc if xf == xf else xf) - n * _LN2_HI) - n * _LN2_LO  # a NaN x gives NaN, as np.exp
     r2 = r * r
     r4 = r2 * r2
     q0 = (_C0 + _C1 * r) + (_C2 + _C3 * r) * r2
@@ -306,7 +317,7 @@ def _exp(x):
     return p * _f64_from_bits((np.int64(n) + 1023) << 52)
 
 
-@nb.njit(fastmath=True)
+@nb.njit(fastmath=_FM)
 def _softmax(Z, G, n, lse):
     """``G[t] = softmax(Z[t])`` and ``lse[t] = log sum_k exp Z[t, k]`` for the ``n <= 4`` rows of a block: the
     row maxima first, then all ``n K`` exponentials in one pass (independent, so they overlap), then the sums."""
@@ -329,7 +340,7 @@ def _softmax(Z, G, n, lse):
         lse[t] += np.log(se)
 
 
-@nb.njit(fastmath=True)
+@nb.njit(fastmath=_FM)
 def _ce(Z, G, t, y, lse):
     """Row ``t`` of a block after ``_softmax``: ``G[t] -= onehot(y)`` (the cross-entropy's logit gradient);
     returns the cross-entropy ``lse - z_y``."""
@@ -337,7 +348,7 @@ def _ce(Z, G, t, y, lse):
     return lse[t] - Z[t, y]
 
 
-@nb.njit(fastmath=True)
+@nb.njit(fastmath=_FM)
 def _ntd_grad(z, zg, y, tau, beta, g):
     """FedNTD's ``beta tau^2 KL(p_g || p_l)`` over the not-true classes of ``z / tau``: adds its gradient
     ``beta tau (p_l - p_g)`` to ``g`` (not-true classes) and returns ``KL``."""
@@ -365,7 +376,7 @@ def _ntd_grad(z, zg, y, tau, beta, g):
     return kl
 
 
-@nb.njit(fastmath=True)
+@nb.njit(fastmath=_FM)
 def _grads(Z, Zg, G, gb, lse, labels, prow, i0, q, mode, scale, inv, tau, beta):
     """Per-sample logit gradients ``G[:q]`` (already times ``scale / count``), bias gradient; returns the
     summed loss of the ``q`` samples."""
@@ -502,7 +513,7 @@ def _start(W, b, mW, mb, Wg, bg, j, init, one_epoch, scr):
     return mWj, mbj
 
 
-@nb.njit(fastmath=True)
+@nb.njit(fastmath=_FM)
 def _sgd(Wj, bj, mWj, mbj, gW, gb, lr, mom, wd):
     """``torch.optim.SGD`` (dampening 0, no Nesterov): ``d = grad + wd p``; ``buf = mom buf + d`` (``buf``
     starts at 0, so a client's first step has ``buf = d``); ``p -= lr buf``. Then zeroes the gradients for the
@@ -518,7 +529,7 @@ def _sgd(Wj, bj, mWj, mbj, gW, gb, lr, mom, wd):
         gb[k] = 0
 
 
-@nb.njit(fastmath=True)
+@nb.njit(fastmath=_FM)
 def _linear_client(
     j, feats, labels, starts, sizes, B, key, W, b, mW, mb, Wg, bg, hp, mode, loss_out, init, one_epoch, scr
 ):
@@ -565,7 +576,7 @@ def _linear_client(
         loss_out[s, j] = lsum * inv + 0.5 * mu * prox
 
 
-@nb.njit(parallel=True, fastmath=True, cache=True)
+@nb.njit(parallel=True, fastmath=_FM, cache=True)
 def _linear_epoch(
     feats, labels, starts, sizes, B, key, W, b, mW, mb, Wg, bg, hp, mode, loss_out, init, one_epoch, workers
 ):
@@ -581,7 +592,7 @@ def _linear_epoch(
             j = _next(nxt)
 
 
-@nb.njit(fastmath=True)
+@nb.njit(fastmath=_FM)
 def _soft_grads(Z, G, lse, q, prow, i0, n, beta, st, coef):
     """FST-CBDG's real samples: ``f = softmax(z)``; the soft label is updated first, ``q <- beta q +
     (1 - beta) f`` (written back); with self-training (``st``) ``G = coef (f sum(q) - q)``, the gradient of
@@ -604,7 +615,7 @@ def _soft_grads(Z, G, lse, q, prow, i0, n, beta, st, coef):
     return lsum
 
 
-@nb.njit(fastmath=True)
+@nb.njit(fastmath=_FM)
 def _synthetic(X, text, bank, cls, sign, s, p0, n, sig, renorm):
     """Rows ``X[:n]`` = synthetic samples ``p0 .. p0+n-1`` of step ``s``: ``T_c + sig * sign * eps_p``
     (divided by their norm when ``renorm``)."""
@@ -653,7 +664,7 @@ def _synthetic_step(cls_all, S, s, cid, key, cls, sign):
     return n
 
 
-@nb.njit(fastmath=True)
+@nb.njit(fastmath=_FM)
 def _fst_client(
     j, feats, starts, sizes, B, key, q, W, b, mW, mb, Wg, bg, text, n_k, cids, key_order, key_sign, bank, hp,
     loss_out, init, one_epoch, scr,
@@ -722,7 +733,7 @@ def _fst_client(
         loss_out[s, j] = loss
 
 
-@nb.njit(parallel=True, fastmath=True, cache=True)
+@nb.njit(parallel=True, fastmath=_FM, cache=True)
 def _fst_epoch(
     feats, starts, sizes, B, key, q, W, b, mW, mb, Wg, bg, text, n_k, cids, key_order, key_sign, bank, hp, loss_out,
     init, one_epoch, workers,
