@@ -54,26 +54,39 @@ app = typer.Typer(
 @app.command()
 def synth(
     out: Path = typer.Option(Path("cache/synth-cifar10.zarr"), "--out", help="Store directory to write."),
-    classes: int = typer.Option(10, help="Number of classes K."),
-    dim: int = typer.Option(1024, help="Embedding dimension D (RN50: 1024, ViT-B: 512)."),
-    train_per_class: int = typer.Option(5000, help="Training samples per class."),
-    test_per_class: int = typer.Option(1000, help="Test samples per class."),
-    templates: int = typer.Option(18, help="Number of prompt templates (text embeddings per class)."),
+    preset: str = typer.Option(
+        "cifar10-rn50",
+        help="Named parameter set: cifar10-rn50 (CIFAR-10 under RN50) or caltech101-vitl14 (Fed-MP's Caltech101 "
+        "under ViT-L/14@336: 102 classes, D = 768); the flags below override its fields.",
+    ),
+    classes: Optional[int] = typer.Option(None, help="Number of classes K (preset: 10)."),
+    dim: Optional[int] = typer.Option(
+        None, help="Embedding dimension D (RN50: 1024, ViT-B: 512, ViT-L: 768)."
+    ),
+    train_per_class: Optional[int] = typer.Option(None, help="Training samples per class (preset: 5000)."),
+    test_per_class: Optional[int] = typer.Option(None, help="Test samples per class (preset: 1000)."),
+    templates: Optional[int] = typer.Option(
+        None, help="Prompt templates, text embeddings per class (preset: 18)."
+    ),
     seed: int = typer.Option(0, help="Generator seed: the same seed gives the same store, byte for byte."),
     stats: bool = typer.Option(True, help="Measure zero-shot / linear-probe / cosine statistics (~10 s)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing store at --out."),
 ) -> None:
     """Write a synthetic CLIP-like store (default: CIFAR-10 shape under RN50) with the real layout."""
-    from fedfeat.synth import SynthParams, write_synthetic_store
+    import dataclasses
 
-    p = SynthParams(
+    from fedfeat.synth import PRESETS, write_synthetic_store
+
+    if preset not in PRESETS:
+        raise FedfeatError(f"unknown synth preset '{preset}'; choose one of: {', '.join(PRESETS)}")
+    given = dict(
         classes=classes,
         dim=dim,
         train_per_class=train_per_class,
         test_per_class=test_per_class,
         templates=templates,
-        seed=seed,
     )
+    p = dataclasses.replace(PRESETS[preset], seed=seed, **{k: v for k, v in given.items() if v is not None})
     write_synthetic_store(out, p, force=force, stats=stats, log=typer.echo)
     typer.echo(f"store: {out}")
 
