@@ -5,7 +5,7 @@ label: a discrete decision. Two programs that round differently (the fused kerne
 against torch's matmuls; the loop's per-client matmuls against the batched ones) give soft labels that differ in
 the last float32 bit, and a sample whose two top soft labels are that close can take a different hard label;
 its client then gets other synthetic classes for the round, and the heads part by ~1e-5 .. 1e-3 instead of
-~1e-7. In float64 the same runs agree to ~1e-15 (no near-tie is that close): the gap is rounding, amplified by
+~1e-7. In float64 the same runs agree to ~1e-16 (no near-tie is that close): the gap is rounding, amplified by
 that decision, not a difference in the mathematics. The tests check both halves: float64 tight, and float32
 tight whenever the hard pseudo-label counts agree, bounded when one flips.
 """
@@ -23,10 +23,11 @@ from fedfeat.synth import SynthParams, write_synthetic_store
 RUNS = (("loop", "torch"), ("batched", "torch"), ("batched", "fused"))
 TIGHT64 = 1e-10  # float64: every kernel against the loop (measured ~1e-15)
 TIGHT32 = 1e-6  # float32, hard pseudo-label counts all equal (measured <= 1e-7)
-# float32 where some count flipped on a near-tie: weights, and accuracy points (measured at 100 clients x 100 % x
-# 10 rounds: <= 1.2e-4 and 0.05 points over seeds 0-9 here; 5.1e-4 and 0.03 points in the issue's run)
+# float32 where some count flipped on a near-tie: weights and biases, and accuracy points in any round (measured
+# at 100 clients x 100 % x 10 rounds, seeds 0-9: W <= 1.2e-4, b <= 7.1e-4, <= 0.09 points; the issue's run:
+# W 5.1e-4, 0.03 points)
 FLIP32 = 2e-3
-FLIP_ACC = 0.1
+FLIP_ACC = 0.25
 
 
 def _store(tmp_path_factory, *, dim, per_class, clients, partition, **kw):
@@ -96,13 +97,16 @@ def test_fst_kernels_follow_the_loop_to_rounding(mid):
 
 @pytest.mark.slow
 def test_fst_kernels_follow_the_loop_at_cifar10_scale(tmp_path_factory):
-    """The issue's scale: CIFAR-10 shape (50,000 x 1024), 100 clients x 100 % x 10 rounds, iid. Seed 5 flips
-    hard pseudo-label counts between the fused kernel and the torch program on an AVX2 CPU (max |dW| 1.2e-4);
-    seeds 0-3 do not (6-8e-8)."""
+    """The issue's scale: CIFAR-10 shape (50,000 x 1024), 100 clients x 100 % x 10 rounds, iid (~15 min on 2
+    cores). Measured on a 2-core x86 host, max |difference| of W and b against the loop: seed 0 flips no count
+    (float32: torch 4.5e-8, fused 6.7e-8; float64: 1.0e-16, 1.4e-16); seed 5 flips one in round 3 (a soft
+    label's top two 7.5e-9 apart, one float32 ulp), after which the batched torch program parts from the loop by
+    7.1e-4 and 0.09 points (the fused kernel keeps the loop's counts there: 6.3e-8); at seed 4 it is the fused
+    kernel that flips (3.2e-4, 0.08 points; torch 4.5e-8). float64: <= 1.5e-16 at all three."""
     p = SynthParams()
     st = write_synthetic_store(tmp_path_factory.mktemp("kx") / "c.zarr", p, stats=False, log=lambda *_: None)
     st_part = st, make_partition(st.labels("train"), "iid", clients=100)  # (`fedfeat train`'s iid split)
-    for seed in (0, 5):
+    for seed in (0, 5, 4):
         _check_bounds(st_part, rounds=10, seed=seed)
 
 
