@@ -98,7 +98,9 @@ def main() -> None:
     lines += [
         "",
         "`fedfeat train` checkpoints every 10 rounds by default (`--checkpoint-every`); the last round is never "
-        "checkpointed (the run is then published whole).",
+        "checkpointed (the run is then published whole). The fsync dominates a small checkpoint and varies with the "
+        "host: the worst cell measured on this machine (FedAvg at 10 %: 35 % of a round in another run) is 3.5 % of "
+        "the rounds' time at 10 rounds.",
         "",
     ]
     write_table(Path(args.out), lines)
