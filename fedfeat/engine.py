@@ -93,6 +93,7 @@ class Context:
     state: dict = field(default_factory=dict)  # persistent method state (per-sample / per-client tensors)
     threads: int = 1  # CPU threads of a fused kernel (torch's thread count when the run began)
     open_vocab: object | None = None  # fedfeat.openvocab.OpenVocab (normalised like feats) in that setting
+    text_raw: torch.Tensor | None = None  # [K, D] ``text`` before L2 normalisation (Fed-MP's residuals)
 
     @property
     def K(self) -> int:
@@ -217,6 +218,8 @@ def run_local(
         params = {
             k: v.detach().unsqueeze(0).repeat(m, *([1] * v.dim())).contiguous() for k, v in glob.items()
         }
+    # per-client parameters that start fresh every round and are never aggregated (Fed-MP's client residuals)
+    params.update(method.local_params(ctx, plan) if hasattr(method, "local_params") else {})
     opt = method.make_optimizer(plan.rnd)
     opt.reset(params)
     local = method.local_begin(ctx, plan, glob)
@@ -324,6 +327,7 @@ def build_context(data: RunData, method, seed: int, device: torch.device) -> Con
         n_clients=len(data.offsets) - 1,
         labels=data.train_y if method.uses_labels else None,
         train_counts=data.train_counts if method.uses_labels else None,
+        text_raw=(data.text_all[0].to(text.dtype) if tmpl == "first" else text_all.mean(0)).to(device),
     )
     ov = data.open_vocab
     if ov is not None:

@@ -62,9 +62,9 @@ class BatchedAdam:
     state: dict = field(default_factory=dict)
 
     def reset(self, params: dict[str, torch.Tensor]) -> None:
-        m = next(iter(params.values())).shape[0]
-        self.state = {
-            "steps": torch.zeros(m, dtype=torch.int64),
+        first = next(iter(params.values()))
+        self.state = {  # step counts on the parameters' device (bias corrections are per-client tensors there)
+            "steps": torch.zeros(first.shape[0], dtype=torch.int64, device=first.device),
             "m": {k: torch.zeros_like(v) for k, v in params.items()},
             "v": {k: torch.zeros_like(v) for k, v in params.items()},
         }
