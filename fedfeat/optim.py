@@ -77,13 +77,16 @@ class BatchedAdam:
         for k, g in grads.items():
             p = params[k][:n]
             shape = (-1, *([1] * (g.dim() - 1)))
+            # in place throughout (the gradient's memory becomes the denominator): at [10, 768, 768] adapters the
+            # out-of-place version spent 2/3 of a Fed-MP step making temporaries
+            g = g if g.is_contiguous() else g.contiguous()
             if self.weight_decay:
-                g = g.add(p, alpha=self.weight_decay)
+                g.add_(p, alpha=self.weight_decay)
             m1 = self.state["m"][k][:n]
             v1 = self.state["v"][k][:n]
             m1.mul_(b1).add_(g, alpha=1 - b1)
             v1.mul_(b2).addcmul_(g, g, value=1 - b2)
-            bc1 = (1 - b1**t).view(shape)
-            bc2 = (1 - b2**t).view(shape)
-            denom = (v1.sqrt() / bc2.sqrt()).add_(self.eps)
-            p.sub_(self.lr * m1 / bc1 / denom)
+            step = (self.lr / (1 - b1**t)).view(shape)  # torch: lr / bias_correction1
+            bc2_sqrt = (1 - b2**t).sqrt().view(shape)
+            denom = torch.sqrt(v1, out=g).div_(bc2_sqrt).add_(self.eps).div_(step)
+            p.addcdiv_(m1, denom, value=-1.0)
