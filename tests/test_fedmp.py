@@ -268,3 +268,28 @@ def test_query_order_is_seeded_per_round_and_does_not_leak():
     a = m.predict_classes(ctx, glob, ov.query_x, ov.novel)
     b = m.predict_classes(ctx, glob, ov.query_x, ov.novel)
     assert torch.equal(a, b) and set(a.tolist()) <= {9, 10, 11}
+
+
+def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(tmp_path):
+    """Round 2 resumed from round 1's checkpoint (its query order comes from the checkpointed round)."""
+    from fedfeat import checkpoint
+
+    sets = FAST | {"uncertainty": "1"}
+    saved = []
+
+    def on_ck(rnd, glob, state):
+        checkpoint.save(tmp_path / "ck.safetensors", rnd, glob, state)
+        saved.append(rnd)
+
+    _, full = run_federated(
+        get_method("fed-mp", sets), _data(True), rounds=2, participation=1.0, seed=5, on_checkpoint=on_ck,
+        checkpoint_every=1,
+    )  # fmt: skip
+    assert saved == [1]
+    resume = checkpoint.load(tmp_path / "ck.safetensors", "cpu")
+    _, rest = run_federated(
+        get_method("fed-mp", sets), _data(True), rounds=2, participation=1.0, seed=5, resume=resume
+    )
+    assert [r["round"] for r in rest] == [2]
+    for key in ("test_acc", "train_loss", "base_acc", "agg_weights"):
+        assert rest[0][key] == pytest.approx(full[2][key], abs=1e-12), key
