@@ -41,7 +41,13 @@ def main() -> None:
     ap.add_argument("--assemble", action="store_true", help="only rebuild BENCHMARKS.md")
     args = ap.parse_args()
     if not args.assemble:
-        for script in ("bench_engine.py", "bench_clip2fl.py", "bench_encode.py", "bench_checkpoint.py"):
+        for script in (
+            "bench_engine.py",
+            "bench_clip2fl.py",
+            "bench_encode.py",
+            "bench_checkpoint.py",
+            "bench_openvocab.py",
+        ):
             path = ROOT / "bench" / script
             if path.exists():
                 print(f"== {script}", flush=True)

@@ -219,7 +219,7 @@ def run_local(
             k: v.detach().unsqueeze(0).repeat(m, *([1] * v.dim())).contiguous() for k, v in glob.items()
         }
     # per-client parameters that start fresh every round and are never aggregated (Fed-MP's client residuals)
-    params.update(method.local_params(ctx, plan) if hasattr(method, "local_params") else {})
+    params.update(method.local_params(ctx, plan))
     opt = method.make_optimizer(plan.rnd)
     opt.reset(params)
     local = method.local_begin(ctx, plan, glob)
@@ -340,7 +340,7 @@ def build_context(data: RunData, method, seed: int, device: torch.device) -> Con
 
 @torch.no_grad()
 def evaluate(method, ctx: Context, glob: dict, test_y: torch.Tensor, n_classes: int) -> dict:
-    if ctx.open_vocab is not None:
+    if getattr(ctx, "open_vocab", None) is not None:
         return evaluate_open_vocab(method, ctx, glob, test_y, n_classes)
     logits = method.predict(ctx, glob, ctx.test_x)
     pred = logits.argmax(1)

@@ -142,7 +142,7 @@ class Method:
     """Base class. A method's hooks, in the order the engine calls them:
 
     ``setup(ctx)`` once; ``init_global(ctx) -> {name: tensor}`` the server's initial parameters; per round
-    ``sample`` the clients, ``local_begin(ctx, plan, glob) -> local`` (per-round client context), per local
+    ``sample`` the clients, ``local_params`` (client-only parameters), ``local_begin(ctx, plan, glob) -> local`` (per-round client context), per local
     epoch ``epoch_begin``, per step ``step_loss(ctx, params, batch, local) -> [n]`` (per-client loss; the
     engine differentiates it and steps the batched optimizer), ``local_end``; then ``aggregate``,
     ``server_update``, and ``predict`` for evaluation.
@@ -189,6 +189,11 @@ class Method:
         return int(sum(v.numel() * v.element_size() for v in cparams.values()))
 
     # ---- client side
+    def local_params(self, ctx: Context, plan: RoundPlan) -> dict[str, torch.Tensor]:
+        """Per-client parameters ``{name: [m, ...]}`` that are trained with the global ones but start anew each
+        round and are never broadcast (Fed-MP's client residuals); ``aggregate`` sees them in ``cparams``."""
+        return {}
+
     def local_begin(self, ctx: Context, plan: RoundPlan, glob: dict) -> dict:
         return {}
 
