@@ -347,3 +347,57 @@ def test_seed_table_groups_runs_that_differ_only_in_seed():
     assert len(lines) == 4  # header, rule, two groups
     assert "| fedavg | - | p | 2 | 3 | 0,1,2 | 74.00 ± 4.00 |" in lines[2]  # sample std of 70, 74, 78
     assert "| fedavg | lr=0.1 | p | 2 | 1 | 0 | 50.00 |" in lines[3]
+
+
+def _wait_rows(path: Path, n: int, proc, timeout: float = 60.0) -> None:
+    import time
+
+    t0 = time.time()
+    while time.time() - t0 < timeout and proc.poll() is None:
+        if path.is_file() and len(path.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{path} did not reach {n} rows")
+
+
+@pytest.mark.parametrize("every", [2, 0])
+def test_sigterm_keeps_a_checkpointed_run_and_removes_one_without(store, tmp_path, every):
+    """SIGTERM (a job's time limit): exit 143 with one line; with a checkpoint the unfinished run stays for
+    --resume (and ends equal to an uninterrupted run); without one nothing is left."""
+    import signal
+
+    args = ["train", "--store", store, "--method", "fedavg", "--name", "x", "--kernel", "torch", "--clients", "10",
+            "--participation", "1", "--rounds", "400", "--quiet"]  # fmt: skip
+    p = subprocess.Popen(
+        [sys.executable, "-m", "fedfeat", *map(str, args), "--out", str(tmp_path / "k"), "--checkpoint-every",
+         str(every)], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    _wait_rows(tmp_path / "k" / ".partial-x" / "metrics.jsonl", 6, p)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 143 and err.strip().splitlines()[-1] == "error: terminated (SIGTERM)"
+    assert not (tmp_path / "k" / ".lock-x").exists() and not (tmp_path / "k" / "x").exists()
+    if every == 0:
+        assert list((tmp_path / "k").iterdir()) == []
+        return
+    assert (tmp_path / "k" / ".partial-x" / "checkpoint.safetensors").is_file()
+    assert _cli("train", "--resume", tmp_path / "k" / "x", "--quiet").exit_code == 0
+    assert _proc(*args, "--out", tmp_path / "u").returncode == 0
+    _same_run(tmp_path / "u" / "x", tmp_path / "k" / "x")
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare for a small tmpfs")
+def test_a_full_disk_during_train_is_one_line_and_leaves_nothing(store, tmp_path):
+    if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("user namespaces are not available here")
+    out = tmp_path / "small"
+    out.mkdir()
+    cmd = (
+        f"mount -t tmpfs -o size=64k tmpfs {out} && {sys.executable} -m fedfeat train --store {store} --method "
+        f"fedavg --clients 10 --rounds 2 --out {out} --name x --quiet; rc=$?; ls -A {out}; exit $rc"
+    )
+    p = subprocess.run(["unshare", "-rm", "sh", "-c", cmd], env=ENV, capture_output=True, text=True)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "space" in lines[0].lower(), p.stderr
+    assert p.stdout.strip() == ""  # the tmpfs is left empty: no partial run, no lock
