@@ -461,6 +461,15 @@ def train(
                 cfg, method, method_params, device, kernel, store, key, part, stored, rd,
                 resume is not None, overwrite, checkpoint_every, progress, log, checkpoint,
             )  # fmt: skip
+    except (
+        OSError
+    ) as e:  # a full disk, a read-only or forbidden --out: the run's directory is already cleaned up
+        where = f" ({e.filename})" if e.filename else ""
+        raise FedfeatError(
+            f"cannot write run {rd.final}: {e.strerror or e}{where}; free space or pass a writable --out, then run "
+            "again"
+            + (f" (or `fedfeat train --resume {rd.final}`)" if (rd.partial / CHECKPOINT).is_file() else "")
+        ) from None
     finally:
         rd.lock.release()
 
