@@ -604,6 +604,11 @@ class FeatureStore:
         self._check_split(split)
         key = key or partition_key(partition)
         order, offsets = partition.order_and_offsets()
+        # probe first: on a read-only store zarr's concurrent writes fail in background tasks that print their
+        # own tracebacks ("Task exception was never retrieved") beside the caller's one-line error
+        probe = self.path / f".write-probe-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
         pg = self._g.require_group("partitions")
         if key in pg:
             del pg[key]
