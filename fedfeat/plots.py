@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fedfeat.errors import FedfeatError
+
 
 def _plt():
     import matplotlib
@@ -17,13 +19,22 @@ def _plt():
     return plt
 
 
+FORMATS = (".png", ".pdf", ".svg")
+
+
 def _save(fig, path: str | Path) -> None:
-    """Write atomically: a half-written PNG never sits at ``path``."""
+    """Write atomically in the format the suffix names (PNG, PDF or SVG): a half-written figure never sits at
+    ``path``."""
     path = Path(path)
+    if path.suffix.lower() not in FORMATS:
+        raise FedfeatError(f"cannot draw {path}: choose a .png, .pdf or .svg file name")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.png")
-    fig.savefig(tmp, dpi=130, bbox_inches="tight")
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}{path.suffix}")
+    try:
+        fig.savefig(tmp, dpi=130, bbox_inches="tight", format=path.suffix.lower()[1:])
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def plot_partition_heatmap(

@@ -401,3 +401,19 @@ def test_a_full_disk_during_train_is_one_line_and_leaves_nothing(store, tmp_path
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "space" in lines[0].lower(), p.stderr
     assert p.stdout.strip() == ""  # the tmpfs is left empty: no partial run, no lock
+
+
+def test_report_plot_honours_pdf_and_svg(store, tmp_path):
+    assert (
+        _cli(
+            "train", "--store", store, "--out", tmp_path, "--name", "x", "--method", "fedavg", *BASE
+        ).exit_code
+        == 0
+    )
+    for name, magic in (("c.pdf", b"%PDF"), ("c.svg", b"<?xml"), ("c.png", b"\x89PNG")):
+        r = _cli("report", tmp_path, "--plot", tmp_path / "fig" / name)
+        assert r.exit_code == 0, r.output
+        assert (tmp_path / "fig" / name).read_bytes()[:5].startswith(magic)
+    r = _cli("report", tmp_path, "--plot", tmp_path / "fig" / "c.txt")
+    assert r.exit_code == 2 and ".pdf or .svg" in r.output and not (tmp_path / "fig" / "c.txt").exists()
+    assert sorted(p.name for p in (tmp_path / "fig").iterdir()) == ["c.pdf", "c.png", "c.svg"]
