@@ -1,3 +1,51 @@
-"""fedfeat: federated learning on cached frozen-CLIP features."""
+"""fedfeat: federated learning on cached frozen-CLIP features.
+
+The Python API (the CLI calls the same functions)::
+
+    import fedfeat
+    st = fedfeat.open_store("cache/synth-cifar10.zarr")             # a FeatureStore, read-only
+    run = fedfeat.train(method="fst-cbdg", rounds=10, seed=0, params={"sigma": 0.5}, out="runs")
+    run["final_acc"], run["path"]
+    df = fedfeat.load_runs("runs")                                  # a DataFrame with pandas, else a list of dicts
+"""
 
 __version__ = "0.1.0"
+
+__all__ = ["open_store", "train", "load_runs", "RunConfig", "__version__"]
+
+
+def open_store(path, mode: str = "r"):
+    """A feature store (``fedfeat.store.FeatureStore``), read-only by default."""
+    from fedfeat.store import FeatureStore
+
+    return FeatureStore.open(path, mode=mode)
+
+
+def train(*, params: dict | None = None, overwrite: bool = False, progress: bool = False, **settings) -> dict:
+    """Train one run (keyword arguments as ``fedfeat train``'s flags, e.g. ``method="fedavg", rounds=5,
+    partition="shard", shards=2``; ``params`` the method's hyperparameters) and return its record: the run's
+    ``summary.json`` plus ``path``."""
+    import json
+    from pathlib import Path
+
+    from fedfeat.runs import resolve_config
+    from fedfeat.runs import train as _train
+
+    cfg = resolve_config(settings, None, [f"{k}={v}" for k, v in (params or {}).items()])
+    path = _train(cfg, overwrite=overwrite, progress=progress, log=lambda *a: None)
+    return {**json.loads((Path(path) / "summary.json").read_text()), "path": str(path)}
+
+
+def load_runs(*paths, metrics: bool = False, as_frame: bool | None = None):
+    """Finished runs as records (a DataFrame when pandas is installed); see ``fedfeat.runs.load_runs``."""
+    from fedfeat.runs import load_runs as _load_runs
+
+    return _load_runs(*paths, metrics=metrics, as_frame=as_frame)
+
+
+def __getattr__(name: str):
+    if name == "RunConfig":
+        from fedfeat.runs import RunConfig
+
+        return RunConfig
+    raise AttributeError(f"module 'fedfeat' has no attribute {name!r}")

@@ -80,17 +80,19 @@ NOT_IN_HASH = ("method", "store", "out", "name", "seed", "store_fingerprint", "p
 
 @dataclass
 class RunConfig:
-    method: str
-    store: str
-    partition: str
-    clients: int
-    participation: float
-    rounds: int
-    seed: int
-    engine: str
-    kernel: str
-    device: str
-    out: str
+    """A run's settings (``fedfeat train``'s flags); every field has the CLI's default."""
+
+    method: str = DEFAULTS["method"]
+    store: str = DEFAULTS["store"]
+    partition: str = DEFAULTS["partition"]
+    clients: int = DEFAULTS["clients"]
+    participation: float = DEFAULTS["participation"]
+    rounds: int = DEFAULTS["rounds"]
+    seed: int = DEFAULTS["seed"]
+    engine: str = DEFAULTS["engine"]
+    kernel: str = DEFAULTS["kernel"]
+    device: str = DEFAULTS["device"]
+    out: str = DEFAULTS["out"]
     alpha: float | None = None
     shards: int | None = None
     imbalance_factor: float | None = None
@@ -170,6 +172,11 @@ def resolve_config(cli: dict, config_file: Path | None, sets: list[str] | None) 
             raise FedfeatError(f"config file {config_file}: [params] must be a table of key = value")
         params.update(data.get("params", {}))
     given = {k: v for k, v in cli.items() if v is not None}
+    unknown = sorted(set(given) - set(DEFAULTS))
+    if unknown:
+        raise FedfeatError(
+            f"unknown run settings {unknown}; valid: {sorted(k for k in DEFAULTS if k != 'store_fingerprint')}"
+        )
     _check_types(given, "flags")
     preset = given.get("preset", merged.get("preset"))
     if preset is not None:  # the preset's settings, under anything the config file or the flags say
@@ -715,6 +722,55 @@ def _looks_like_run(p: Path) -> bool:
     )
 
 
+def load_runs(*paths, metrics: bool = False, as_frame: bool | None = None, warn=None):
+    """Finished runs under ``paths`` (run directories or their parents) as records: each run's ``summary.json``
+    flattened (``params`` as ``params.<key>``) plus ``path`` (and its per-round rows under ``metrics`` when asked).
+    A pandas DataFrame when pandas is installed (``as_frame=None``) or asked for (``True``), else a list of dicts.
+
+    >>> runs = load_runs("runs/demo")                              # doctest: +SKIP
+    >>> runs.groupby(["method", "partition"])["final_acc"].agg(["mean", "std"])   # doctest: +SKIP
+    """
+    warn = warn or (lambda msg: print(f"warning: {msg}", file=sys.stderr))
+    found, _ = _collect(paths or ("runs",), warn)
+    records = []
+    for (summary, rows), path in found:
+        rec = {k: v for k, v in summary.items() if k not in ("params", "env", "provenance")}
+        rec.update({f"params.{k}": v for k, v in summary.get("params", {}).items()})
+        rec["path"] = str(path)
+        if metrics:
+            rec["metrics"] = rows
+        records.append(rec)
+    if as_frame is False:
+        return records
+    try:
+        import pandas as pd
+    except ImportError:
+        if as_frame:
+            raise FedfeatError("load_runs(as_frame=True) needs pandas; pip install pandas") from None
+        return records
+    return pd.DataFrame.from_records(records)
+
+
+def _collect(paths, warn) -> tuple[list, list]:
+    """``([((summary, metrics), path), ...], parents)``: readable finished runs; unreadable ones are warned about."""
+    found, parents = [], []
+    for p in map(Path, paths):
+        if not p.exists():
+            warn(f"{p} does not exist")
+            continue
+        if p.is_dir() and not _looks_like_run(p):
+            parents.append(p)
+            cands = [q for q in sorted(p.iterdir()) if _looks_like_run(q)]
+        else:
+            cands = [p]
+        for q in cands:
+            try:
+                found.append((load_run(q), q))
+            except FedfeatError as e:
+                warn(f"skipped {q}: {e}")
+    return found, parents
+
+
 def unfinished_runs(parents: list[Path]) -> list[dict]:
     """Runs being written or interrupted (``OUT/.partial-NAME``): name, method, rounds recorded, checkpoint."""
     from fedfeat import checkpoint
@@ -770,21 +826,9 @@ def report(
     if fmt not in ("markdown", "csv"):
         raise FedfeatError(f"unknown format '{fmt}'; choose markdown or csv")
     warn = warn or (lambda msg: print(msg, file=sys.stderr))
-    runs, candidates, parents, problems = [], [], [], []
-    for p in paths:
-        p = Path(p)
-        if not p.exists():
-            problems.append(f"{p} does not exist")
-        elif p.is_dir() and not _looks_like_run(p):  # a parent of run dirs
-            parents.append(p)
-            candidates += [q for q in sorted(p.iterdir()) if _looks_like_run(q)]
-        else:
-            candidates.append(p)
-    for q in candidates:
-        try:
-            runs.append(load_run(q) + (q,))
-        except FedfeatError as e:
-            problems.append(f"skipped {q}: {e}")
+    problems: list[str] = []
+    found, parents = _collect(paths, problems.append)
+    runs = [(summary, rows, q) for (summary, rows), q in found]
     unfinished = unfinished_runs(parents) if all_runs else []
     if not runs and not unfinished:  # one line: the first reason stands for all
         why = ""

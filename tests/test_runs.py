@@ -417,3 +417,22 @@ def test_report_plot_honours_pdf_and_svg(store, tmp_path):
     r = _cli("report", tmp_path, "--plot", tmp_path / "fig" / "c.txt")
     assert r.exit_code == 2 and ".pdf or .svg" in r.output and not (tmp_path / "fig" / "c.txt").exists()
     assert sorted(p.name for p in (tmp_path / "fig").iterdir()) == ["c.pdf", "c.png", "c.svg"]
+
+
+def test_python_api_trains_and_loads_runs(store, tmp_path):
+    import fedfeat
+
+    st = fedfeat.open_store(store)
+    assert st.n_classes == 10
+    rec = fedfeat.train(store=str(store), method="fedprox", clients=10, rounds=2, out=str(tmp_path), name="api",
+                        params={"mu": 0.3}, kernel="torch")  # fmt: skip
+    assert rec["method"] == "fedprox" and rec["params"]["mu"] == 0.3 and Path(rec["path"]).name == "api"
+    runs = fedfeat.load_runs(tmp_path, as_frame=False, metrics=True)
+    assert (
+        [r["name"] for r in runs] == ["api"] and runs[0]["params.mu"] == 0.3 and len(runs[0]["metrics"]) == 3
+    )
+    assert runs[0]["final_acc"] == rec["final_acc"]
+    with pytest.raises(fedfeat.errors.FedfeatError, match="unknown run settings"):
+        fedfeat.train(store=str(store), epochs=3)
+    cfg = fedfeat.RunConfig(method="fedavg")
+    assert (cfg.rounds, cfg.clients, cfg.participation) == (10, 100, 0.1)
