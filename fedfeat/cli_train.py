@@ -49,7 +49,7 @@ def register(app: typer.Typer) -> None:
         ),
         query_val: Optional[str] = typer.Option(
             None,
-            help="Open vocabulary: the novel-class query set: paper (20 %% validation / 80 %% test, default) or code "
+            help="Open vocabulary: the novel-class query set: paper (20 % validation / 80 % test, default) or code "
             "(all test).",
         ),
         clients: Optional[int] = typer.Option(None, help="Number of clients. Default 100."),
