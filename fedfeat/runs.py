@@ -269,6 +269,14 @@ def shot_groups(train_counts: np.ndarray, thresholds: str | None) -> dict[str, n
     }
 
 
+def default_thresholds(cfg: RunConfig, data) -> str | None:
+    """Long-tailed runs report many / medium / few without ``--shot-thresholds``: CLIP2FL's CIFAR-10-LT groups
+    (> 1500, < 200) for 10 classes, the CIFAR-100-LT / ImageNet-LT ones (> 100, < 20) otherwise."""
+    if cfg.imbalance_factor is None:
+        return None
+    return "1500,200" if len(data.class_names) <= 10 else "100,20"
+
+
 def group_accuracy(per_class_acc: list[float], test_counts: np.ndarray, groups: dict) -> dict:
     """Accuracy over the test samples of each class group (sample-weighted)."""
     pc = np.asarray(per_class_acc)
@@ -536,7 +544,9 @@ def _train_locked(
             local_val=cfg.local_val or "paper",
             query_val=cfg.query_val or "paper",
         )
-        groups = shot_groups(data.train_counts.cpu().numpy(), cfg.shot_thresholds)
+        groups = shot_groups(
+            data.train_counts.cpu().numpy(), cfg.shot_thresholds or default_thresholds(cfg, data)
+        )
         test_counts = np.bincount(data.test_y.cpu().numpy(), minlength=len(data.class_names))
         mpath = rd.partial / "metrics.jsonl"
         done = start[0] if start else 0

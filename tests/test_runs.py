@@ -436,3 +436,17 @@ def test_python_api_trains_and_loads_runs(store, tmp_path):
         fedfeat.train(store=str(store), epochs=3)
     cfg = fedfeat.RunConfig(method="fedavg")
     assert (cfg.rounds, cfg.clients, cfg.participation) == (10, 100, 0.1)
+
+
+def test_long_tailed_runs_report_shot_groups_by_default(store, tmp_path):
+    """60 samples per class, long tail IF 10: class counts 60 .. 6; 10 classes -> CIFAR-10-LT groups (> 1500,
+    < 200): every class is 'few', so few = the overall accuracy and many / medium have no classes (None)."""
+    args = ["train", "--store", store, "--out", tmp_path, "--name", "lt", "--method", "fedavg", "--partition",
+            "dirichlet", "--imbalance-factor", "10", "--clients", "5", "--rounds", "1", "--quiet"]  # fmt: skip
+    assert _cli(*args).exit_code == 0
+    row = _metrics(tmp_path / "lt")[-1]
+    assert (
+        row["few_acc"] == pytest.approx(row["test_acc"])
+        and row["many_acc"] is None
+        and row["medium_acc"] is None
+    )
