@@ -52,6 +52,11 @@ def register(app: typer.Typer) -> None:
             help="Open vocabulary: the novel-class query set: paper (20 % validation / 80 % test, default) or code "
             "(all test).",
         ),
+        pretrained: Optional[str] = typer.Option(
+            None,
+            help="Prompt-learning methods: the checkpoint the store was encoded with (checked by sha256), when it "
+            "is no longer where `fedfeat encode` read it; or the open_clip tag's file.",
+        ),
         clients: Optional[int] = typer.Option(None, help="Number of clients. Default 100."),
         participation: Optional[float] = typer.Option(
             None, help="Fraction of clients per round; max(1, int(p * clients)) are sampled. Default 0.1."
@@ -138,6 +143,7 @@ def register(app: typer.Typer) -> None:
             "out": str(out) if out else None,
             "name": name,
             "shot_thresholds": shot_thresholds,
+            "pretrained": pretrained,
         }
         opts = dict(
             overwrite=overwrite,

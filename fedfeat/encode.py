@@ -415,6 +415,9 @@ def encode(
                 extra_attrs={
                     "dataset": dataset,
                     "precision": precision,
+                    # what `fedfeat.live` needs to rebuild the text encoder (the fingerprint keeps only hashes)
+                    "backbone_config": bb.config,
+                    "weights_file": str(weights.file) if weights.kind == "file" else None,
                     "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 },
                 sources=_sources(ds),

@@ -94,6 +94,9 @@ class Context:
     threads: int = 1  # CPU threads of a fused kernel (torch's thread count when the run began)
     open_vocab: object | None = None  # fedfeat.openvocab.OpenVocab (normalised like feats) in that setting
     text_raw: torch.Tensor | None = None  # [K, D] ``text`` before L2 normalisation (Fed-MP's residuals)
+    live: object | None = None  # fedfeat.live.LiveText: the store's frozen text encoder (prompt methods only)
+    class_names: list[str] = field(default_factory=list)
+    rounds: int = 0  # the run's number of rounds (learning-rate schedules over the run)
 
     @property
     def K(self) -> int:
@@ -298,6 +301,9 @@ class RunData:
     class_names: list[str]
     train_counts: torch.Tensor  # [K] counts over the partition's samples
     open_vocab: object | None = None  # fedfeat.openvocab.OpenVocab; test_x/test_y are then the query set
+    live: object | None = (
+        None  # fedfeat.live.LiveText for methods with ``needs_live_text`` (set by the caller)
+    )
 
 
 def _normalize(x: torch.Tensor) -> torch.Tensor:
@@ -328,7 +334,13 @@ def build_context(data: RunData, method, seed: int, device: torch.device) -> Con
         labels=data.train_y if method.uses_labels else None,
         train_counts=data.train_counts if method.uses_labels else None,
         text_raw=(data.text_all[0].to(text.dtype) if tmpl == "first" else text_all.mean(0)).to(device),
+        live=data.live,
+        class_names=list(data.class_names),
     )
+    if getattr(method, "needs_live_text", False) and data.live is None:
+        raise FedfeatError(
+            f"method {method.name} trains prompts and needs the store's live text encoder (fedfeat.live)"
+        )
     ov = data.open_vocab
     if ov is not None:
         f = _normalize if norm else (lambda x: x)
@@ -478,6 +490,7 @@ def _run(
 ):  # fmt: skip
     ctx = build_context(data, method, seed, device)
     ctx.threads = threads
+    ctx.rounds = rounds
     K = len(data.class_names)
     method.setup(ctx)
     glob = method.init_global(ctx)

@@ -62,6 +62,7 @@ DEFAULTS = {
     "query_val": None,
     "store_fingerprint": None,
     "preset": None,
+    "pretrained": None,
 }
 TYPES = {
     "alpha": float,
@@ -75,7 +76,7 @@ TYPES = {
     "shots": int,
 }  # every other key is a string
 # settings that do not enter a run's identity hash (the name shows them, or they say where, not what)
-NOT_IN_HASH = ("method", "store", "out", "name", "seed", "store_fingerprint", "params")
+NOT_IN_HASH = ("method", "store", "out", "name", "seed", "store_fingerprint", "params", "pretrained")
 
 
 @dataclass
@@ -105,6 +106,9 @@ class RunConfig:
     store_fingerprint: str | None = None  # a replayed config's store must have this fingerprint hash
     preset: str | None = (
         None  # a dataset preset (fedfeat.openvocab.PRESETS): its settings, its class count checked
+    )
+    pretrained: str | None = (
+        None  # prompt methods: where the store's checkpoint is (default: where encode read it)
     )
     params: dict = field(default_factory=dict)  # method hyperparameters (--set key=value)
 
@@ -544,6 +548,14 @@ def _train_locked(
             local_val=cfg.local_val or "paper",
             query_val=cfg.query_val or "paper",
         )
+        if getattr(method, "needs_live_text", False):  # prompt methods: the store's text encoder, checked
+            from fedfeat.live import load_live_text
+
+            data.live = load_live_text(store, device=device, pretrained=cfg.pretrained)
+            log(
+                f"live text encoder: {data.live.backbone} ({data.live.weights}) reproduces the store's text "
+                f"features (min cosine {data.live.min_cosine:.6f})"
+            )
         groups = shot_groups(
             data.train_counts.cpu().numpy(), cfg.shot_thresholds or default_thresholds(cfg, data)
         )

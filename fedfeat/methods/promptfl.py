@@ -1,0 +1,190 @@
+"""Prompt learning through the live text encoder: PromptFL and its unsupervised (pseudo-labelled) modes.
+
+**promptfl** (Guo et al., "PromptFL: Let Federated Participants Cooperatively Learn Prompts Instead of Models",
+IEEE TMC 2023; the baseline of Fed-MP's and FedCoPL's tables): every client trains CoOp context vectors
+(``fedfeat.prompt``; Zhou et al. IJCV 2022) on its labelled data with the frozen CLIP, the server averages them
+(FedAvg weighted by client sample counts). Image features come from the store (they do not depend on the
+prompt); only the ``K`` class prompts go through the text tower, once per step for all active clients. The loss
+is CoOp's: cross-entropy of ``logit_scale · cos(image, prompt_k)`` with CLIP's own logit scale.
+
+Defaults (each field names its source): CoOp's optimiser (``configs/trainers/CoOp/*.yaml`` + Dassl: SGD lr 0.002,
+momentum 0.9, weight decay 5e-4, batch 32, cosine schedule), 16 unified context tokens initialised N(0, 0.02),
+class token at the end. The cosine schedule runs over the federated rounds (one value per round; the optimiser
+state is made anew for each client each round, as FedAvg clients do); CoOp's one warm-up epoch at a constant
+1e-5 is ``warmup_rounds`` (default 0: a warm-up round at 1e-5 would be a wasted round of communication).
+
+**Unsupervised mode** (``pseudo=fpl|cpl``; FedCoPL's FPL / CPL baselines, whose federated versions are
+unreleased): the method never reads labels (``uses_labels`` is False: the engine hands it none). At setup every
+client pseudo-labels its own data with zero-shot CLIP (the store's first template) through a reusable
+pseudo-labeller of ``fedfeat.pseudolabel``; its selected samples become its training set (aggregation weights are
+the selected-set sizes, as FedCoPL weights by them) and the loss is CE on hard labels (FPL) or CPL's
+candidate-set loss ``-log Σ_{j∈S} p_j`` (``cc``). Pseudo-labels are fixed for the run (FPL's static labels; CPL
+refreshes its candidate sets with the trained model during training, which this mode does not yet do: a
+documented deviation). ``round_metrics`` reports the pseudo-labels' accuracy against the true labels.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from fedfeat import rng
+from fedfeat.engine import Batch, Context, RoundPlan, fedavg, masked_mean
+from fedfeat.errors import FedfeatError
+from fedfeat.methods.base import Method, register
+from fedfeat.optim import BatchedSGD
+
+TAG_CTX_INIT = 301
+
+
+@dataclass(frozen=True)
+class PromptFLParams:
+    local_epochs: int = 1  # PromptFL: 1 local epoch per round (its scripts' default)
+    batch_size: int = 32  # CoOp configs/trainers/CoOp/*: DATALOADER.TRAIN_X.BATCH_SIZE 32
+    lr: float = 0.002  # CoOp OPTIM.LR
+    momentum: float = 0.9  # Dassl OPTIM.MOMENTUM
+    weight_decay: float = 5e-4  # Dassl OPTIM.WEIGHT_DECAY
+    schedule: Literal["cosine", "constant"] = "cosine"  # CoOp LR_SCHEDULER cosine, here over the rounds
+    warmup_rounds: int = 0  # CoOp WARMUP_EPOCH 1 at constant 1e-5; 0 here (see the module docstring)
+    warmup_lr: float = 1e-5  # CoOp WARMUP_CONS_LR
+    n_ctx: int = 16  # CoOp N_CTX 16 (FedCoPL's text prompt too)
+    csc: bool = False  # CoOp CSC False: one context shared by all classes
+    ctx_init: str = ""  # CoOp CTX_INIT "": random N(0, 0.02); e.g. "a photo of a" (then n_ctx = its tokens)
+    ctx_std: float = 0.02  # CoOp nn.init.normal_(ctx_vectors, std=0.02)
+    truncate: bool = True  # cut prompts after the longest EOT (exact for causal towers; fedfeat.prompt)
+    normalize: bool = True  # L2-normalised image features (CoOp: image_features / norm)
+    pseudo: Literal["none", "fpl", "cpl"] = "none"  # none: labelled PromptFL; fpl / cpl: unsupervised
+    pseudo_k: int = 16  # FPL / CPL N_PSEUDOSHOTS: pseudo-labelled samples kept per class (per client here)
+    conf_quantile: float = 75.0  # CPL CONF_QUANTILE (per dataset in fedfeat.pseudolabel.CPL_DEFAULTS)
+    regular_threshold: float = 0.95  # CPL REGULAR_THRESHOLD (per dataset)
+
+    def validate(self) -> None:
+        if self.local_epochs < 1 or self.batch_size < 1:
+            raise FedfeatError(
+                f"local_epochs and batch_size must be >= 1, got {self.local_epochs} and {self.batch_size}; "
+                "e.g. --set batch_size=32"
+            )
+        if self.lr <= 0 or self.weight_decay < 0 or not 0 <= self.momentum < 1 or self.warmup_lr <= 0:
+            raise FedfeatError(
+                f"need lr > 0, warmup_lr > 0, weight_decay >= 0 and momentum in [0, 1), got {self.lr}, "
+                f"{self.warmup_lr}, {self.weight_decay}, {self.momentum}; e.g. --set lr=0.002"
+            )
+        if self.n_ctx < 1 and not self.ctx_init:
+            raise FedfeatError(f"n_ctx must be >= 1, got {self.n_ctx}; e.g. --set n_ctx=16")
+        if self.ctx_std <= 0 or self.warmup_rounds < 0:
+            raise FedfeatError(
+                f"ctx_std must be > 0 and warmup_rounds >= 0, got {self.ctx_std} and {self.warmup_rounds}"
+            )
+        if self.pseudo_k < 1:
+            raise FedfeatError(f"pseudo_k must be >= 1, got {self.pseudo_k}; e.g. --set pseudo_k=16")
+
+
+def round_lr(p, rnd: int, rounds: int) -> float:
+    """The round's learning rate: ``warmup_lr`` for the first ``warmup_rounds`` rounds, then ``lr`` or its cosine
+    decay ``lr · (1 + cos(π t / T)) / 2`` over the remaining rounds (Dassl's ``CosineAnnealingLR``, ``eta_min`` 0,
+    stepped once per round: ``t`` = rounds done after the warm-up)."""
+    if rnd <= p.warmup_rounds:
+        return p.warmup_lr
+    if p.schedule == "constant":
+        return p.lr
+    T = max(rounds - p.warmup_rounds, 1)
+    t = rnd - 1 - p.warmup_rounds
+    return p.lr * 0.5 * (1 + math.cos(math.pi * t / T))
+
+
+class PromptMethod(Method):
+    """A method whose trainable part is (or feeds) CoOp contexts of the live text tower."""
+
+    needs_live_text = True
+    runs_on = "cache + live text encoder"
+
+    def setup(self, ctx: Context) -> None:
+        p = self.p
+        n_ctx = p.n_ctx
+        if p.ctx_init:
+            from fedfeat.prompt import phrase_tokens
+
+            n_ctx = phrase_tokens(ctx.live.tower, p.ctx_init).shape[0]
+        self.learner = ctx.live.learner(ctx.class_names, n_ctx, truncate=p.truncate)
+        self.rounds = ctx.rounds
+
+    def make_optimizer(self, rnd: int):
+        p = self.p
+        return BatchedSGD(lr=round_lr(p, rnd, self.rounds), momentum=p.momentum, weight_decay=p.weight_decay)
+
+    def text_features(self, ctx: Context, params: dict) -> torch.Tensor:
+        """Unit class text features ``[n, K, D]`` of the clients' parameters ``{name: [n, ...]}``."""
+        return F.normalize(self.learner.features(params["ctx"]), dim=-1)
+
+    def logits(self, ctx: Context, params: dict, x: torch.Tensor) -> torch.Tensor:
+        """``x  # [n, B, D]`` -> ``[n, B, K]`` at CLIP's logit scale."""
+        t = self.text_features(ctx, params).to(x.dtype)
+        return ctx.clip_logit_scale * torch.bmm(x, t.transpose(1, 2))
+
+    @torch.no_grad()
+    def predict(self, ctx: Context, glob: dict, x: torch.Tensor) -> torch.Tensor:
+        t = self.text_features(ctx, {k: v.unsqueeze(0) for k, v in glob.items()})[0].to(x.dtype)  # [K, D]
+        return ctx.clip_logit_scale * x @ t.T
+
+
+@register
+class PromptFL(PromptMethod):
+    """PromptFL (Guo et al. 2023): CoOp text prompts trained through the live text encoder, FedAvg of contexts."""
+
+    name = "promptfl"
+    Params = PromptFLParams
+    uses_labels = True
+
+    def __init__(self, params):
+        super().__init__(params)
+        self.uses_labels = params.pseudo == "none"  # the unsupervised modes never see labels
+
+    def setup(self, ctx: Context) -> None:
+        super().setup(ctx)
+        if self.p.pseudo != "none":
+            from fedfeat.pseudolabel import apply_pseudo_labels
+
+            apply_pseudo_labels(ctx, self.p)
+
+    def init_global(self, ctx: Context) -> dict[str, torch.Tensor]:
+        p = self.p
+        g = rng.generator(ctx.seed, TAG_CTX_INIT)
+        return {"ctx": self.learner.init_context(g, csc=p.csc, phrase=p.ctx_init, std=p.ctx_std)}
+
+    def step_loss(self, ctx: Context, params: dict, batch: Batch, local: dict) -> torch.Tensor:
+        logits = self.logits(ctx, params, batch.x)  # [n, B, K]
+        n, B, K = logits.shape
+        if self.p.pseudo == "cpl":
+            from fedfeat.pseudolabel import cc_loss
+
+            loss = cc_loss(logits, ctx.state["pseudo_candidates"][batch.pos])  # [n, B]
+        else:
+            y = batch.y if self.p.pseudo == "none" else ctx.state["pseudo_labels"][batch.pos]
+            loss = F.cross_entropy(logits.reshape(n * B, K), y.reshape(-1), reduction="none").view(n, B)
+        return masked_mean(loss, batch.mask)
+
+    def aggregate(self, ctx: Context, plan: RoundPlan, glob: dict, cparams: dict) -> dict:
+        w = plan.sizes.to(ctx.device)
+        if int(w.sum()) == 0:  # no sampled client holds a (pseudo-labelled) sample
+            return glob
+        return fedavg(cparams, w)
+
+    def round_metrics(self, ctx: Context, data, glob: dict, ev: dict) -> dict:
+        if self.p.pseudo == "none" or "pseudo_rows" not in ctx.state:
+            return {}
+        rows = ctx.state["pseudo_rows"]
+        truth = data.train_y[rows.to(data.train_y.device)]
+        out = {"pseudo_samples": len(rows)}
+        if self.p.pseudo == "fpl":
+            out["pseudo_acc"] = 100 * float(
+                (ctx.state["pseudo_labels"].to(truth.device) == truth).double().mean()
+            )
+        else:
+            cand = ctx.state["pseudo_candidates"].to(truth.device)
+            out["pseudo_acc"] = 100 * float(cand[torch.arange(len(truth)), truth].double().mean())
+            out["pseudo_set_size"] = float(cand.sum(1).double().mean())
+        return out
