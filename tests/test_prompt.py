@@ -1,0 +1,292 @@
+"""Prompt learning through the live text encoder (``fedfeat.prompt``, ``fedfeat.live``, ``promptfl``, ``fedtpg``) on the
+tiny open_clip model: the learner against open_clip's own ``encode_text``, frozen encoder weights, batched vs loop
+engines, the store fingerprint check and its one-line errors, and ``fedfeat train`` end to end."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from helpers_clip import (
+    TINY_NAME,
+    cli_error_text,
+    make_tiny_clip,
+    reference_model,
+    reference_text_features,
+    run_cli,
+    write_cifar10,
+)
+
+from fedfeat.engine import load_run_data, run_federated
+from fedfeat.errors import FedfeatError
+from fedfeat.live import load_live_text
+from fedfeat.methods import get_method
+from fedfeat.partition import make_partition
+from fedfeat.prompt import PromptLearner, TextTower
+from fedfeat.store import FeatureStore
+
+NAMES = ["cat", "dog", "sea lion", "aquarium fish", "great white shark"]
+
+
+@pytest.fixture(scope="module")
+def tc(tmp_path_factory):
+    return make_tiny_clip(tmp_path_factory.mktemp("tinyclip"))
+
+
+@pytest.fixture(scope="module")
+def ref(tc):
+    return reference_model(tc)
+
+
+@pytest.fixture(scope="module")
+def tower(ref):
+    model, _, tok = ref
+    return TextTower.of(model, tok)
+
+
+@pytest.fixture(scope="module")
+def store(tc, tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    c10 = write_cifar10(root / "cifar-10-batches-py", n_train=120, n_test=30)
+    out = tmp_path_factory.mktemp("cache")
+    args = ["encode", "--dataset", "cifar10", "--root", c10.root, "--backbone", tc.config]
+    args += ["--pretrained", tc.weights, "--out", out, "--device", "cpu", "--templates", "cifar"]
+    r = run_cli(args)
+    assert r.exit_code == 0, (r.output, r.exception)
+    return out / "cifar10" / f"{TINY_NAME}-tiny.zarr"
+
+
+def cos(a, b):
+    return torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1)
+
+
+def test_phrase_context_reproduces_encode_text(ref, tower):
+    """Contexts set to the token embeddings of "a photo of a" give open_clip's ``encode_text("a photo of a {c}.")``."""
+    model, _, tok = ref
+    pl = PromptLearner(tower, NAMES, n_ctx=4)
+    ctx = pl.init_context(None, phrase="a photo of a")
+    with torch.no_grad():
+        got = pl.features(ctx.unsqueeze(0))[0]
+        want = model.encode_text(tok([f"a photo of a {c}." for c in NAMES]))
+    assert got.shape == (len(NAMES), 32)
+    assert float(cos(got, want).min()) >= 0.9999
+    # random contexts give other features (the check above is not vacuous)
+    rnd = pl.init_context(torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        other = pl.features(rnd.unsqueeze(0))[0]
+    assert float(cos(other, want).max()) < 0.99
+
+
+def test_zero_context_with_the_store_template_reproduces_the_stored_embeddings(ref, tower, store):
+    model, _, tok = ref
+    st = FeatureStore.open(store)
+    stored = torch.from_numpy(st.text_features().astype(np.float32))  # [T, K, D]
+    want = torch.from_numpy(
+        reference_text_features(model, tok, [t.replace("{}", "{}") for t in st.templates][:2], st.class_names)
+    )
+    for t, template in enumerate(st.templates[:2]):
+        pl = PromptLearner(tower, st.class_names, 0, template=template)
+        with torch.no_grad():
+            got = pl.features(torch.zeros(1, 0, tower.width))[0]
+        assert float(cos(got, stored[t]).min()) >= 0.999  # the store holds float16
+        assert float(cos(got, want[t]).min()) >= 0.9999
+
+
+def test_truncated_prompts_equal_full_length_and_class_specific_contexts(tower):
+    g = torch.Generator().manual_seed(3)
+    short, full = PromptLearner(tower, NAMES, 6), PromptLearner(tower, NAMES, 6, truncate=False)
+    assert short.suffix.shape[1] < full.suffix.shape[1] == 77 - 7
+    ctx = torch.stack([short.init_context(g), short.init_context(g)])  # 2 clients
+    with torch.no_grad():
+        a, b = short.features(ctx), full.features(ctx)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert a.shape == (2, len(NAMES), 32) and not torch.allclose(a[0], a[1])
+    # class-specific contexts: each class its own; equal contexts give the unified result
+    csc = short.init_context(g, csc=True)
+    assert csc.shape == (len(NAMES), 6, tower.width)
+    same = ctx[0].expand(len(NAMES), 6, tower.width).unsqueeze(0)
+    with torch.no_grad():
+        torch.testing.assert_close(short.features(same)[0], a[0], atol=1e-6, rtol=1e-6)
+        # batched clients = clients one at a time
+        two = torch.stack([csc, csc.flip(0)])
+        both = short.features(two)
+        torch.testing.assert_close(both[1], short.features(two[1:])[0], atol=1e-6, rtol=1e-6)
+
+
+def test_too_long_prompt_and_bad_phrase_are_one_line_errors(tower):
+    with pytest.raises(FedfeatError, match="does not fit the text tower's 77 tokens.*n_ctx"):
+        PromptLearner(tower, ["x " * 40], 40)
+    pl = PromptLearner(tower, NAMES, 3)
+    with pytest.raises(FedfeatError, match="is 4 tokens but n_ctx = 3; pass --set n_ctx=4"):
+        pl.init_context(None, phrase="a photo of a")
+
+
+FAST = {"batch_size": "8", "local_epochs": "2", "n_ctx": "4", "lr": "0.05"}
+
+
+@pytest.fixture(scope="module")
+def live(store):
+    return load_live_text(FeatureStore.open(store))
+
+
+def run_data(store, live, clients=4, alpha=0.3):
+    st = FeatureStore.open(store)
+    part = make_partition(st.labels("train"), "dirichlet", clients=clients, alpha=alpha, seed=3)
+    data = load_run_data(st, part)
+    data.live = live
+    return data
+
+
+@pytest.mark.parametrize("name, sets", [("promptfl", {}), ("promptfl", {"csc": "true"}), ("fedtpg", {})])
+def test_batched_equals_loop_with_ragged_clients(store, live, name, sets):
+    data = run_data(store, live)
+    sizes = np.diff(data.offsets.numpy())
+    assert len(set(sizes.tolist())) > 1 and any(
+        s % 8 for s in sizes
+    )  # ragged: unequal sizes, partial batches
+    runs = {}
+    for engine in ("batched", "loop"):
+        m = get_method(name, (FAST if name == "promptfl" else {"batch_size": "8"}) | sets)
+        runs[engine] = run_federated(m, data, rounds=2, participation=1.0, seed=1, engine=engine)
+    (gb, mb), (gl, ml) = runs["batched"], runs["loop"]
+    for k in gb:
+        torch.testing.assert_close(gb[k], gl[k], atol=1e-5, rtol=1e-5)
+    assert [r["train_loss"] for r in mb] == pytest.approx([r["train_loss"] for r in ml], abs=1e-5)
+    assert [r["test_acc"] for r in mb] == pytest.approx([r["test_acc"] for r in ml], abs=1e-9)
+    m0 = get_method(name, FAST if name == "promptfl" else {})
+    first = run_federated(m0, data, rounds=0, participation=1.0, seed=1)[0]
+    assert any(not torch.allclose(gb[k], first[k]) for k in gb)  # training moved the parameters
+
+
+@pytest.mark.parametrize("name", ["promptfl", "fedtpg"])
+def test_a_round_changes_only_the_trainable_parameters(store, live, name):
+    before = {k: v.clone() for k, v in live.model.state_dict().items()}
+    data = run_data(store, live)
+    m = get_method(name, FAST if name == "promptfl" else {"batch_size": "8"})
+    g0 = run_federated(m, data, rounds=0, participation=1.0, seed=2)[0]
+    g1 = run_federated(get_method(m.name, m.p.__dict__), data, rounds=1, participation=1.0, seed=2)[0]
+    assert all(not torch.equal(g0[k], g1[k]) for k in g1 if g1[k].numel() > 1)
+    after = live.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # bit-identical encoder
+    assert not any(p.requires_grad for p in live.model.parameters())
+
+
+def test_promptfl_learns_on_separable_features(store, live):
+    """On features that are a fixed rotation of class text directions, the trained prompts must beat the random
+    initial prompts clearly (a method that ignores its gradient would not)."""
+    data = run_data(store, live, clients=3, alpha=100.0)
+    K = len(data.class_names)
+    g = torch.Generator().manual_seed(0)
+    centers = torch.nn.functional.normalize(torch.randn(K, data.train_x.shape[1], generator=g), dim=-1)
+    data.train_x = centers[data.train_y] + 0.05 * torch.randn(data.train_x.shape, generator=g)
+    data.test_x = centers[data.test_y] + 0.05 * torch.randn(data.test_x.shape, generator=g)
+    m = get_method(
+        "promptfl", {"batch_size": "8", "local_epochs": "5", "n_ctx": "4", "lr": "0.5", "csc": "true"}
+    )
+    _, metrics = run_federated(m, data, rounds=6, participation=1.0, seed=0)
+    assert metrics[-1]["test_acc"] >= metrics[0]["test_acc"] + 25
+    assert metrics[-1]["train_loss"] < metrics[1]["train_loss"]
+
+
+def test_live_encoder_fingerprint_check_refuses_other_weights(tc, store, tmp_path):
+    """Weights of the same architecture but another draw: the check's cosine falls below 0.999."""
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(tc.weights))
+    g = torch.Generator().manual_seed(9)
+    sd = {
+        k: (
+            v + 0.5 * torch.randn(v.shape, generator=g)
+            if "transformer" in k and v.dtype == torch.float32
+            else v
+        )
+        for k, v in sd.items()
+    }
+    other = tmp_path / "other.safetensors"
+    save_file(sd, str(other))
+    st = FeatureStore.open(store)
+    with pytest.raises(FedfeatError, match="is not the one store .* was encoded with .*sha256"):
+        load_live_text(st, pretrained=str(other))
+    from fedfeat import live as live_mod
+
+    with pytest.raises(FedfeatError, match=r"does not reproduce store .*cosine -?0\.\d+ < 0.999"):
+        model, _, tok = reference_model(type(tc)(tc.config, other, tc.weights_pt))
+        live_mod.fingerprint_check(TextTower.of(model, tok), st)
+
+
+def test_moved_checkpoint_and_missing_tag_give_encode_style_errors(tc, store, tmp_path):
+    moved = tmp_path / "store.zarr"
+    shutil.copytree(store, moved)
+    zattrs = moved / "zarr.json"
+    meta = json.loads(zattrs.read_text())
+    meta["attributes"]["weights_file"] = str(tmp_path / "gone" / "tiny.safetensors")
+    zattrs.write_text(json.dumps(meta))
+    st = FeatureStore.open(moved)
+    with pytest.raises(
+        FedfeatError, match="no local copy of the weights .* pass --pretrained /path/to/checkpoint"
+    ):
+        load_live_text(st)
+    assert load_live_text(st, pretrained=str(tc.weights)).min_cosine >= 0.999  # the override finds it
+    # a store of a tag whose weights are not cached: exactly encode's error (HF_HUB_OFFLINE is set in tests)
+    meta["attributes"]["backbone"] = "RN50"
+    meta["attributes"]["backbone_config"] = None
+    from fedfeat import clipcompat
+
+    bb = clipcompat.resolve_backbone("RN50")
+    meta["attributes"]["fingerprint"]["backbone"] = {"name": "RN50", "config_sha256": bb.config_sha256}
+    meta["attributes"]["fingerprint"]["weights"] = {"tag": "openai", "source": "x"}
+    zattrs.write_text(json.dumps(meta))
+    with pytest.raises(FedfeatError) as e:
+        load_live_text(FeatureStore.open(moved))
+    with pytest.raises(FedfeatError) as e_enc:
+        clipcompat.resolve_weights(bb, "openai")
+    assert str(e.value) == str(e_enc.value)
+    assert "no local copy of the weights for RN50 pretrained 'openai'" in str(e.value) and "\n" not in str(
+        e.value
+    )
+
+
+def test_synthetic_store_has_no_encoder(tmp_path):
+    synth = tmp_path / "s.zarr"
+    r = run_cli(["synth", "--out", synth, "--dim", "16", "--train-per-class", "10", "--test-per-class", "5",
+                 "--no-stats"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "runs"
+    r = run_cli(["train", "--method", "promptfl", "--store", synth, "--rounds", "1", "--clients", "2",
+                 "--out", out, "--quiet"])  # fmt: skip
+    assert r.exit_code == 2
+    msg = cli_error_text(r)
+    assert "has no encoder to rebuild" in msg and "fedfeat encode" in msg
+    assert not out.exists() or not [p for p in out.iterdir() if not p.name.startswith(".lock")]
+
+
+@pytest.mark.parametrize("method, sets", [("promptfl", ["n_ctx=4"]), ("fedtpg", [])])
+def test_train_end_to_end_on_the_tiny_store(store, tmp_path, method, sets):
+    args = [
+        "train",
+        "--method",
+        method,
+        "--store",
+        store,
+        "--clients",
+        "3",
+        "--participation",
+        "1",
+        "--rounds",
+        "2",
+    ]
+    args += ["--out", tmp_path, "--quiet", "--device", "cpu", "--set", "batch_size=8"]
+    for s in sets:
+        args += ["--set", s]
+    r = run_cli(args)
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert "reproduces the store's text features" in r.output
+    (run,) = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["round"] for x in rows] == [0, 1, 2] and rows[1]["train_loss"] > 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["method"] == method
+    assert (run / "config.toml").is_file()
