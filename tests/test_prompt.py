@@ -290,3 +290,92 @@ def test_train_end_to_end_on_the_tiny_store(store, tmp_path, method, sets):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["method"] == method
     assert (run / "config.toml").is_file()
+
+
+class _RefTranslator(torch.nn.Module):
+    """FedTPG's ``PromptTranslator`` (``model/prompt_net.py``, depth blocks included) with torch's own modules."""
+
+    def __init__(self, n_ctx, W, D, depth, heads=4, mult=4):
+        super().__init__()
+        nn = torch.nn
+
+        def ff():
+            return nn.Sequential(
+                nn.LayerNorm(W), nn.Linear(W, W * mult * 2), _GEGLU(), nn.Linear(W * mult, W)
+            )
+
+        self.soft_prompt = nn.Parameter(torch.zeros(n_ctx, W))
+        self.norm, self.norm_ctx = nn.LayerNorm(W), nn.LayerNorm(D)
+        self.attn = nn.MultiheadAttention(W, heads, kdim=D, vdim=D, batch_first=True)
+        self.ff = ff()
+        self.blocks = nn.ModuleList(
+            [
+                nn.ModuleList([nn.LayerNorm(W), nn.MultiheadAttention(W, heads, batch_first=True), ff()])
+                for _ in range(depth)
+            ]
+        )
+
+    def forward(self, emb):  # emb [1, Kc, D]
+        x = self.soft_prompt.unsqueeze(0)
+        kv = self.norm_ctx(emb)
+        x, _ = self.attn(self.norm(x), kv, kv)
+        x = self.ff(x) + x
+        for ln, attn, ff in self.blocks:
+            h = ln(x)
+            x = attn(h, h, h)[0] + x
+            x = ff(x) + x
+        return x
+
+
+class _GEGLU(torch.nn.Module):
+    def forward(self, x):
+        a, g = x.chunk(2, dim=-1)
+        return a * torch.nn.functional.gelu(g)
+
+
+def _load_ref(ref: _RefTranslator, P: dict, depth: int, W: int, D: int) -> None:
+    sd = {"soft_prompt": P["soft_prompt"], "norm.weight": P["x_ln_w"], "norm.bias": P["x_ln_b"]}
+    sd |= {"norm_ctx.weight": P["x_lnctx_w"], "norm_ctx.bias": P["x_lnctx_b"]}
+
+    def attn(pre, mod, packed):
+        out = {}
+        if packed:
+            out[f"{mod}.in_proj_weight"] = torch.cat([P[pre + "Wq"], P[pre + "Wk"], P[pre + "Wv"]])
+        else:
+            out |= {f"{mod}.q_proj_weight": P[pre + "Wq"], f"{mod}.k_proj_weight": P[pre + "Wk"]}
+            out[f"{mod}.v_proj_weight"] = P[pre + "Wv"]
+        out |= {f"{mod}.in_proj_bias": P[pre + "bqkv"], f"{mod}.out_proj.weight": P[pre + "Wo"]}
+        out[f"{mod}.out_proj.bias"] = P[pre + "bo"]
+        return out
+
+    def ff(pre, mod):
+        return {f"{mod}.0.weight": P[pre + "ln_w"], f"{mod}.0.bias": P[pre + "ln_b"], f"{mod}.1.weight": P[pre + "W1"],
+                f"{mod}.1.bias": P[pre + "b1"], f"{mod}.3.weight": P[pre + "W2"], f"{mod}.3.bias": P[pre + "b2"]}  # fmt: skip
+
+    sd |= attn("x_", "attn", W == D) | ff("x_ff_", "ff")
+    for i in range(depth):
+        sd |= {f"blocks.{i}.0.weight": P[f"s{i}_ln_w"], f"blocks.{i}.0.bias": P[f"s{i}_ln_b"]}
+        sd |= attn(f"s{i}_", f"blocks.{i}.1", True) | ff(f"s{i}_ff_", f"blocks.{i}.2")
+    ref.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("W, D, depth", [(64, 32, 0), (64, 32, 2), (32, 32, 1)])
+def test_fedtpg_generator_equals_the_reference_modules(W, D, depth):
+    """The batched functional generator = FedTPG's PromptTranslator built from torch modules, per client."""
+    from fedfeat.methods.fedtpg import generate, generator_init
+
+    P = generator_init(0, 4, W, D, depth, 4, torch.float64, "cpu")
+    assert P["soft_prompt"].std() == pytest.approx(0.02, rel=0.5)
+    g = torch.Generator().manual_seed(1)
+    clients = [
+        {k: v + 0.01 * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in P.items()}
+        for _ in range(3)
+    ]
+    emb = torch.nn.functional.normalize(torch.randn(7, D, generator=g, dtype=torch.float64), dim=-1)
+    got = generate({k: torch.stack([c[k] for c in clients]) for k in P}, emb, depth, 4)  # [3, 4, W]
+    for j, c in enumerate(clients):
+        ref = _RefTranslator(4, W, D, depth).double()
+        _load_ref(ref, c, depth, W, D)
+        with torch.no_grad():
+            want = ref(emb.unsqueeze(0))[0]
+        torch.testing.assert_close(got[j], want, atol=1e-12, rtol=1e-10)

@@ -38,13 +38,13 @@ from fedfeat import rng
 from fedfeat.engine import Context, RoundPlan, fedavg
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import register
-from fedfeat.methods.promptfl import PromptFL, PromptFLParams
+from fedfeat.methods.promptfl import PromptFL, PromptParams
 
 TAG_GENERATOR_INIT = 302
 
 
 @dataclass(frozen=True)
-class FedTPGParams(PromptFLParams):
+class FedTPGParams(PromptParams):
     local_epochs: int = 1  # client.py: one pass over the train loader per round
     batch_size: int = 200  # Launch_FL.py --batch_size 200
     lr: float = 0.003  # config/defaults.py OPTIM.LR
@@ -58,9 +58,9 @@ class FedTPGParams(PromptFLParams):
 
     def validate(self) -> None:
         super().validate()
-        if self.csc or self.ctx_init or self.pseudo != "none":
+        if self.csc or self.ctx_init:
             raise FedfeatError(
-                "fedtpg generates its contexts: csc, ctx_init and pseudo do not apply; drop those --set keys"
+                "fedtpg generates its contexts: csc and ctx_init do not apply; drop those --set keys"
             )
         if self.depth < 0 or self.heads < 1 or self.ff_mult < 1:
             raise FedfeatError(

@@ -42,7 +42,7 @@ TAG_CTX_INIT = 301
 
 
 @dataclass(frozen=True)
-class PromptFLParams:
+class PromptParams:
     local_epochs: int = 1  # PromptFL: 1 local epoch per round (its scripts' default)
     batch_size: int = 32  # CoOp configs/trainers/CoOp/*: DATALOADER.TRAIN_X.BATCH_SIZE 32
     lr: float = 0.002  # CoOp OPTIM.LR
@@ -57,10 +57,6 @@ class PromptFLParams:
     ctx_std: float = 0.02  # CoOp nn.init.normal_(ctx_vectors, std=0.02)
     truncate: bool = True  # cut prompts after the longest EOT (exact for causal towers; fedfeat.prompt)
     normalize: bool = True  # L2-normalised image features (CoOp: image_features / norm)
-    pseudo: Literal["none", "fpl", "cpl"] = "none"  # none: labelled PromptFL; fpl / cpl: unsupervised
-    pseudo_k: int = 16  # FPL / CPL N_PSEUDOSHOTS: pseudo-labelled samples kept per class (per client here)
-    conf_quantile: float = 75.0  # CPL CONF_QUANTILE (per dataset in fedfeat.pseudolabel.CPL_DEFAULTS)
-    regular_threshold: float = 0.95  # CPL REGULAR_THRESHOLD (per dataset)
 
     def validate(self) -> None:
         if self.local_epochs < 1 or self.batch_size < 1:
@@ -79,6 +75,17 @@ class PromptFLParams:
             raise FedfeatError(
                 f"ctx_std must be > 0 and warmup_rounds >= 0, got {self.ctx_std} and {self.warmup_rounds}"
             )
+
+
+@dataclass(frozen=True)
+class PromptFLParams(PromptParams):
+    pseudo: Literal["none", "fpl", "cpl"] = "none"  # none: labelled PromptFL; fpl / cpl: unsupervised
+    pseudo_k: int = 16  # FPL / CPL N_PSEUDOSHOTS: pseudo-labelled samples kept per class (per client here)
+    conf_quantile: float = 75.0  # CPL CONF_QUANTILE (per dataset in fedfeat.pseudolabel.CPL_DEFAULTS)
+    regular_threshold: float = 0.95  # CPL REGULAR_THRESHOLD (per dataset)
+
+    def validate(self) -> None:
+        super().validate()
         if self.pseudo_k < 1:
             raise FedfeatError(f"pseudo_k must be >= 1, got {self.pseudo_k}; e.g. --set pseudo_k=16")
 
@@ -141,11 +148,15 @@ class PromptFL(PromptMethod):
 
     def __init__(self, params):
         super().__init__(params)
-        self.uses_labels = params.pseudo == "none"  # the unsupervised modes never see labels
+        self.uses_labels = self.pseudo == "none"  # the unsupervised modes never see labels
+
+    @property
+    def pseudo(self) -> str:
+        return getattr(self.p, "pseudo", "none")
 
     def setup(self, ctx: Context) -> None:
         super().setup(ctx)
-        if self.p.pseudo != "none":
+        if self.pseudo != "none":
             from fedfeat.pseudolabel import apply_pseudo_labels
 
             apply_pseudo_labels(ctx, self.p)
@@ -158,12 +169,12 @@ class PromptFL(PromptMethod):
     def step_loss(self, ctx: Context, params: dict, batch: Batch, local: dict) -> torch.Tensor:
         logits = self.logits(ctx, params, batch.x)  # [n, B, K]
         n, B, K = logits.shape
-        if self.p.pseudo == "cpl":
+        if self.pseudo == "cpl":
             from fedfeat.pseudolabel import cc_loss
 
             loss = cc_loss(logits, ctx.state["pseudo_candidates"][batch.pos])  # [n, B]
         else:
-            y = batch.y if self.p.pseudo == "none" else ctx.state["pseudo_labels"][batch.pos]
+            y = batch.y if self.pseudo == "none" else ctx.state["pseudo_labels"][batch.pos]
             loss = F.cross_entropy(logits.reshape(n * B, K), y.reshape(-1), reduction="none").view(n, B)
         return masked_mean(loss, batch.mask)
 
@@ -174,12 +185,12 @@ class PromptFL(PromptMethod):
         return fedavg(cparams, w)
 
     def round_metrics(self, ctx: Context, data, glob: dict, ev: dict) -> dict:
-        if self.p.pseudo == "none" or "pseudo_rows" not in ctx.state:
+        if self.pseudo == "none" or "pseudo_rows" not in ctx.state:
             return {}
         rows = ctx.state["pseudo_rows"]
         truth = data.train_y[rows.to(data.train_y.device)]
         out = {"pseudo_samples": len(rows)}
-        if self.p.pseudo == "fpl":
+        if self.pseudo == "fpl":
             out["pseudo_acc"] = 100 * float(
                 (ctx.state["pseudo_labels"].to(truth.device) == truth).double().mean()
             )
