@@ -47,6 +47,7 @@ def main() -> None:
             "bench_encode.py",
             "bench_checkpoint.py",
             "bench_openvocab.py",
+            "bench_prompt.py",
         ):
             path = ROOT / "bench" / script
             if path.exists():

@@ -379,3 +379,18 @@ def test_fedtpg_generator_equals_the_reference_modules(W, D, depth):
         with torch.no_grad():
             want = ref(emb.unsqueeze(0))[0]
         torch.testing.assert_close(got[j], want, atol=1e-12, rtol=1e-10)
+
+
+def test_cpu_blocks_give_the_one_batch_result_and_gradient(tower, monkeypatch):
+    import fedfeat.prompt as prompt_mod
+
+    pl = PromptLearner(tower, NAMES, 3)
+    g = torch.Generator().manual_seed(4)
+    ctx = torch.stack([pl.init_context(g) for _ in range(3)]).requires_grad_(True)  # 15 prompts
+    a = pl.features(ctx)
+    (ga,) = torch.autograd.grad(a.square().sum(), [ctx])
+    monkeypatch.setattr(prompt_mod, "CPU_BLOCK", 4)  # blocks of 4 prompts cut clients apart
+    b = pl.features(ctx)
+    (gb,) = torch.autograd.grad(b.square().sum(), [ctx])
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ga, gb, atol=1e-6, rtol=1e-6)

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from fedfeat import rng
-from fedfeat.engine import Context, RoundPlan, fedavg
+from fedfeat.engine import Context
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import register
 from fedfeat.methods.promptfl import PromptFL, PromptParams
@@ -54,7 +54,7 @@ class FedTPGParams(PromptParams):
     depth: int = 0  # Launch_FL.py --model_depth 0: self-attention blocks after the cross attention
     heads: int = 4  # PromptTranslator cross_heads = self_heads = 4
     ff_mult: int = 4  # FeedForward mult 4 (GEGLU: Linear(W, 2·4W))
-    aggregation: Literal["mean", "size"] = "mean"  # server.py: unweighted mean; "size": FedAvg by samples
+    aggregation: Literal["size", "mean"] = "mean"  # server.py: unweighted mean; "size": FedAvg by samples
 
     def validate(self) -> None:
         super().validate()
@@ -202,8 +202,3 @@ class FedTPG(PromptFL):
     def text_features(self, ctx: Context, params: dict) -> torch.Tensor:
         c = generate(params, self.name_emb, self.p.depth, self.p.heads)  # [n, n_ctx, W]
         return F.normalize(self.learner.features(c), dim=-1)
-
-    def aggregate(self, ctx: Context, plan: RoundPlan, glob: dict, cparams: dict) -> dict:
-        if self.p.aggregation == "mean":
-            return fedavg(cparams, torch.ones(plan.m, device=ctx.device))
-        return super().aggregate(ctx, plan, glob, cparams)

@@ -9,9 +9,15 @@ is CoOp's: cross-entropy of ``logit_scale · cos(image, prompt_k)`` with CLIP's 
 
 Defaults (each field names its source): CoOp's optimiser (``configs/trainers/CoOp/*.yaml`` + Dassl: SGD lr 0.002,
 momentum 0.9, weight decay 5e-4, batch 32, cosine schedule), 16 unified context tokens initialised N(0, 0.02),
-class token at the end. The cosine schedule runs over the federated rounds (one value per round; the optimiser
-state is made anew for each client each round, as FedAvg clients do); CoOp's one warm-up epoch at a constant
-1e-5 is ``warmup_rounds`` (default 0: a warm-up round at 1e-5 would be a wasted round of communication).
+class token at the end; 5 local epochs per round (PromptFL's ViT-B/16 config, ``PEILab-Federated-Learning/
+PromptFL`` ``configs/trainers/CoOp/vit_b16_ep50.yaml``; its configs use lr 0.001). The cosine schedule runs over the
+federated rounds (one value per round; the optimiser state is made anew for each client each round, as FedAvg
+clients do). PromptFL's code instead shares one optimiser and one ``CosineAnnealingLR(T_max=local epochs)`` across
+all clients and rounds, stepped per local epoch, so its learning rate oscillates and momentum leaks from client to
+client -- a quirk not reproduced. CoOp's one warm-up epoch at a constant 1e-5 is ``warmup_rounds`` (default 0: a
+warm-up round at 1e-5 would be a wasted round of communication). Aggregation is FedAvg by client size (PromptFL's
+paper); ``aggregation="mean"`` is its code's unweighted ``average_weights`` (without the code's bug of also
+averaging every earlier round's client weights: its list is never cleared).
 
 **Unsupervised mode** (``pseudo=fpl|cpl``; FedCoPL's FPL / CPL baselines, whose federated versions are
 unreleased): the method never reads labels (``uses_labels`` is False: the engine hands it none). At setup every
@@ -43,9 +49,11 @@ TAG_CTX_INIT = 301
 
 @dataclass(frozen=True)
 class PromptParams:
-    local_epochs: int = 1  # PromptFL: 1 local epoch per round (its scripts' default)
+    local_epochs: int = (
+        5  # PromptFL configs/trainers/CoOp/vit_b16_ep50.yaml MAX_EPOCH 5 = local epochs (rn50: 10)
+    )
     batch_size: int = 32  # CoOp configs/trainers/CoOp/*: DATALOADER.TRAIN_X.BATCH_SIZE 32
-    lr: float = 0.002  # CoOp OPTIM.LR
+    lr: float = 0.002  # CoOp OPTIM.LR (PromptFL's configs and main_pipeline.sh: 0.001)
     momentum: float = 0.9  # Dassl OPTIM.MOMENTUM
     weight_decay: float = 5e-4  # Dassl OPTIM.WEIGHT_DECAY
     schedule: Literal["cosine", "constant"] = "cosine"  # CoOp LR_SCHEDULER cosine, here over the rounds
@@ -57,6 +65,7 @@ class PromptParams:
     ctx_std: float = 0.02  # CoOp nn.init.normal_(ctx_vectors, std=0.02)
     truncate: bool = True  # cut prompts after the longest EOT (exact for causal towers; fedfeat.prompt)
     normalize: bool = True  # L2-normalised image features (CoOp: image_features / norm)
+    aggregation: Literal["size", "mean"] = "size"  # FedAvg by client size; "mean": PromptFL's average_weights
 
     def validate(self) -> None:
         if self.local_epochs < 1 or self.batch_size < 1:
@@ -182,6 +191,8 @@ class PromptFL(PromptMethod):
         w = plan.sizes.to(ctx.device)
         if int(w.sum()) == 0:  # no sampled client holds a (pseudo-labelled) sample
             return glob
+        if self.p.aggregation == "mean":  # every sampled client that trained counts alike
+            w = (w > 0).to(w.dtype)
         return fedavg(cparams, w)
 
     def round_metrics(self, ctx: Context, data, glob: dict, ev: dict) -> dict:
