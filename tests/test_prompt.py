@@ -393,4 +393,5 @@ def test_cpu_blocks_give_the_one_batch_result_and_gradient(tower, monkeypatch):
     b = pl.features(ctx)
     (gb,) = torch.autograd.grad(b.square().sum(), [ctx])
     torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(ga, gb, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ga, gb, atol=1e-4 * float(ga.abs().max()), rtol=1e-4)  # float32 sums reordered
+    assert float(ga.abs().max()) > 0.1
