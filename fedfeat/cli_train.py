@@ -57,6 +57,11 @@ def register(app: typer.Typer) -> None:
             help="Prompt-learning methods: the checkpoint the store was encoded with (checked by sha256), when it "
             "is no longer where `fedfeat encode` read it; or the open_clip tag's file.",
         ),
+        local_test: Optional[str] = typer.Option(
+            None,
+            help="none (default) or proportional: split the test set among the clients in proportion to their "
+            "training class counts and report local_acc, the mean of per-client accuracies (FedCoPL's metric).",
+        ),
         clients: Optional[int] = typer.Option(None, help="Number of clients. Default 100."),
         participation: Optional[float] = typer.Option(
             None, help="Fraction of clients per round; max(1, int(p * clients)) are sampled. Default 0.1."
@@ -144,6 +149,7 @@ def register(app: typer.Typer) -> None:
             "name": name,
             "shot_thresholds": shot_thresholds,
             "pretrained": pretrained,
+            "local_test": local_test,
         }
         opts = dict(
             overwrite=overwrite,

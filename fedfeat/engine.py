@@ -97,6 +97,7 @@ class Context:
     live: object | None = None  # fedfeat.live.LiveText: the store's frozen text encoder (prompt methods only)
     class_names: list[str] = field(default_factory=list)
     rounds: int = 0  # the run's number of rounds (learning-rate schedules over the run)
+    local_test: list | None = None  # per client: int64 rows of test_x (FedCoPL's local test splits), or None
 
     @property
     def K(self) -> int:
@@ -301,9 +302,8 @@ class RunData:
     class_names: list[str]
     train_counts: torch.Tensor  # [K] counts over the partition's samples
     open_vocab: object | None = None  # fedfeat.openvocab.OpenVocab; test_x/test_y are then the query set
-    live: object | None = (
-        None  # fedfeat.live.LiveText for methods with ``needs_live_text`` (set by the caller)
-    )
+    live: object | None = None  # fedfeat.live.LiveText (``needs_live_text`` methods; set by the caller)
+    local_test: list | None = None  # per client: int64 rows of test_x (``local_test="proportional"``)
 
 
 def _normalize(x: torch.Tensor) -> torch.Tensor:
@@ -336,6 +336,7 @@ def build_context(data: RunData, method, seed: int, device: torch.device) -> Con
         text_raw=(data.text_all[0].to(text.dtype) if tmpl == "first" else text_all.mean(0)).to(device),
         live=data.live,
         class_names=list(data.class_names),
+        local_test=data.local_test,
     )
     if getattr(method, "needs_live_text", False) and data.live is None:
         raise FedfeatError(
@@ -362,7 +363,23 @@ def evaluate(method, ctx: Context, glob: dict, test_y: torch.Tensor, n_classes: 
     )
     cnt = torch.bincount(test_y, minlength=n_classes).to(torch.float64)
     pc = (per_class / cnt.clamp_min(1)).tolist()
-    return {"acc": float(correct.mean()) * 100, "per_class_acc": [100 * v for v in pc], "pred": pred}
+    out = {"acc": float(correct.mean()) * 100, "per_class_acc": [100 * v for v in pc], "pred": pred}
+    if ctx.local_test is not None:
+        out["extra"] = local_accuracy(ctx, correct)
+    return out
+
+
+def local_accuracy(ctx: Context, correct: torch.Tensor) -> dict:
+    """FedCoPL's metric: the unweighted mean over clients of each client's accuracy on its local test split
+    (clients with an empty split left out), with its standard deviation over clients. The methods here have one
+    global model, so a client's accuracy is that of the global predictions on its rows."""
+    accs = [float(correct[r.to(correct.device)].mean()) * 100 for r in ctx.local_test if len(r)]
+    a = np.asarray(accs)
+    return {
+        "local_acc": float(a.mean()) if len(a) else None,
+        "local_acc_std": float(a.std(ddof=1)) if len(a) > 1 else None,
+        "local_clients": len(a),
+    }
 
 
 @torch.no_grad()
@@ -586,6 +603,7 @@ def load_run_data(
     local_val: str = "paper",
     query_val: str = "paper",
     query_seed: int = 0,
+    local_test: str = "none",
 ) -> RunData:
     """Load a store's train (in the partition's client-major order) and test splits onto ``device``.
 
@@ -621,6 +639,20 @@ def load_run_data(
             ov_parts, labels, feats, tx_np, ty_np, has_test, K, query_val, query_seed, device, dtype
         )
     tx = torch.from_numpy(tx_np[keep]).to(device=device, dtype=dtype)
+    lt = None
+    if local_test != "none":
+        from fedfeat.partition import LOCAL_TEST, local_test_split
+
+        if local_test not in LOCAL_TEST:
+            raise FedfeatError(f"--local-test must be one of {', '.join(LOCAL_TEST)}, got {local_test!r}")
+        if ov is not None or not has_test:
+            raise FedfeatError(
+                "--local-test splits a store's test split among the clients of a closed partition; this run "
+                + ("is open-vocabulary (disjoint-classes)" if ov is not None else "has no test split")
+                + ": drop --local-test"
+            )
+        split = local_test_split(partition, labels, ty_np[keep], K, seed=query_seed)
+        lt = [torch.from_numpy(r) for r in split]
     return RunData(
         train_x=x,
         train_y=y,
@@ -632,6 +664,7 @@ def load_run_data(
         class_names=store.class_names,
         train_counts=torch.bincount(y.cpu(), minlength=K),
         open_vocab=ov,
+        local_test=lt,
     )
 
 

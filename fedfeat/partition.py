@@ -68,6 +68,7 @@ __all__ = [
     "disjoint_classes",
     "from_json",
     "iid",
+    "local_test_split",
     "longtail",
     "longtail_counts",
     "make_partition",
@@ -729,3 +730,35 @@ def from_json(path) -> Partition:
         raise FedfeatError(
             f"cannot read partition file {path}: {e}; pass a file written by --export"
         ) from None
+
+
+LOCAL_TEST = ("none", "proportional")
+
+
+def local_test_split(partition: Partition, train_labels, test_labels, n_classes: int, seed: int = 0) -> list:
+    """Each client's local test set (FedCoPL's evaluation: per-client accuracy on a test split drawn like the
+    client's training data): for every class ``c``, the test positions of ``c`` (shuffled by a
+    ``RandomState(seed)``) are cut among the clients in proportion to their training counts ``n_{k,c} / N_c``, with
+    FedML's cut rule ``(cumsum(p) * len(idx)).astype(int)`` (the one FedCoPL's ``prepare_dataset_UL_fed`` applies
+    to its test split). A client without training samples of ``c`` gets no test samples of ``c``.
+
+    FedCoPL draws one Dirichlet ``p`` per class and cuts both splits with it (each split with its own cap of
+    clients already holding ``N / n``): its test proportions are its train proportions wherever the two caps
+    agree, which is what this reads it as; it applies to every partition scheme. Returns int64 positions into
+    ``test_labels`` per client, each client's sorted."""
+    train_labels = np.asarray(train_labels)
+    test_labels = np.asarray(test_labels)
+    counts = partition.counts(train_labels, n_classes)  # [clients, classes]
+    rs = np.random.RandomState(seed)
+    out: list[list[np.ndarray]] = [[] for _ in range(partition.n_clients)]
+    for c in range(n_classes):
+        idx = np.flatnonzero(test_labels == c)
+        rs.shuffle(idx)
+        total = counts[:, c].sum()
+        if total == 0 or len(idx) == 0:
+            continue
+        p = counts[:, c] / total
+        cuts = (np.cumsum(p) * len(idx)).astype(int)[:-1]
+        for k, piece in enumerate(np.split(idx, cuts)):
+            out[k].append(piece)
+    return [np.sort(np.concatenate(o)).astype(np.int64) if o else np.zeros(0, np.int64) for o in out]

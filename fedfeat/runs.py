@@ -63,6 +63,7 @@ DEFAULTS = {
     "store_fingerprint": None,
     "preset": None,
     "pretrained": None,
+    "local_test": None,
 }
 TYPES = {
     "alpha": float,
@@ -106,6 +107,9 @@ class RunConfig:
     store_fingerprint: str | None = None  # a replayed config's store must have this fingerprint hash
     preset: str | None = (
         None  # a dataset preset (fedfeat.openvocab.PRESETS): its settings, its class count checked
+    )
+    local_test: str | None = (
+        None  # none | proportional: per-client local test splits (FedCoPL's local accuracy)
     )
     pretrained: str | None = (
         None  # prompt methods: where the store's checkpoint is (default: where encode read it)
@@ -225,6 +229,10 @@ def validate_config(cfg: RunConfig) -> None:
     from fedfeat.openvocab import check_modes
 
     check_modes(cfg.local_val or "paper", cfg.query_val or "paper")
+    from fedfeat.partition import LOCAL_TEST
+
+    if (cfg.local_test or "none") not in LOCAL_TEST:
+        bad("local_test", f"must be one of {', '.join(LOCAL_TEST)}, got {cfg.local_test!r}")
     if cfg.name is not None:
         rundir.check_name(cfg.name)
 
@@ -547,6 +555,7 @@ def _train_locked(
             centralized=centralized,
             local_val=cfg.local_val or "paper",
             query_val=cfg.query_val or "paper",
+            local_test=cfg.local_test or "none",
         )
         if getattr(method, "needs_live_text", False):  # prompt methods: the store's text encoder, checked
             from fedfeat.live import load_live_text
@@ -707,7 +716,7 @@ def _summary(cfg, method, method_params, kernel, device, key, name, metrics, wal
 
 
 SUMMARY_EXTRAS = ("many_acc", "medium_acc", "few_acc", "pseudo_label_acc", "novel_precision", "novel_recall",
-                  "novel_f1", "base_acc", "hm")  # fmt: skip
+                  "novel_f1", "base_acc", "hm", "local_acc", "local_acc_std")  # fmt: skip
 SUMMARY_KEYS = ("method", "partition", "rounds", "initial_acc", "final_acc", "best_acc", "seconds_per_round",
                 "bytes_up", "params")  # fmt: skip
 
@@ -877,6 +886,9 @@ def report(
     has_ov = any("novel_f1" in s for s, _, _ in runs)
     if has_ov:  # open vocabulary: final acc is the novel accuracy
         cols += ["novel P", "novel R", "novel F1", "base acc", "HM"]
+    has_local = any(s.get("local_acc") is not None for s, _, _ in runs)
+    if has_local:  # --local-test: the mean of per-client accuracies on local test splits (FedCoPL)
+        cols += ["local acc"]
     cols += ["s/round", "MB up"]
     rows = []
     for s, _m, _ in runs:
@@ -898,6 +910,8 @@ def report(
             row += [_fmt(s.get("pseudo_label_acc"))]
         if has_ov:
             row += [_fmt(s.get(k)) for k in ov_keys]
+        if has_local:
+            row += [_fmt(s.get("local_acc"))]
         row += [f"{s['seconds_per_round']:.3f}", f"{s['bytes_up'] / 1e6:.1f}"]
         rows.append(row)
     if plot is not None:
@@ -938,7 +952,7 @@ def _unfinished_table(rows: list[dict], fmt: str) -> str:
 SEED_METRICS = {"final_acc": "final acc", "best_acc": "best acc", "novel_precision": "novel P",
                 "novel_recall": "novel R", "novel_f1": "novel F1", "base_acc": "base acc", "hm": "HM",
                 "many_acc": "many", "medium_acc": "medium", "few_acc": "few",
-                "pseudo_label_acc": "pseudo-label acc"}  # fmt: skip
+                "pseudo_label_acc": "pseudo-label acc", "local_acc": "local acc"}  # fmt: skip
 
 
 def seed_table(summaries: list[dict], fmt: str = "markdown") -> str:

@@ -473,3 +473,22 @@ def test_property_every_scheme_exactly_once(labels, seed, scheme, data):
     else:
         assert len(held) == len(kept)
     assert len(p.unassigned(len(labels))) == len(labels) - len(held)
+
+
+def test_local_test_split_follows_train_proportions_by_hand():
+    """2 clients, 3 classes. Train: client 0 holds 3 of class 0 and 1 of class 1, client 1 holds 1 of class 0 and
+    2 of class 2. Test: 8 of class 0, 4 of class 1, 2 of class 2, 3 of class 3 (no client trains on it).
+    FedML's cuts: class 0 -> p = (3/4, 1/4): 6 and 2; class 1 -> (1, 0): 4 and 0; class 2 -> (0, 1): 0 and 2;
+    class 3 -> nobody."""
+    train = np.array([0, 0, 0, 1, 0, 2, 2])
+    part = P.Partition("custom", {}, [np.array([0, 1, 2, 3]), np.array([4, 5, 6])])
+    test = np.array([0] * 8 + [1] * 4 + [2] * 2 + [3] * 3)
+    got = P.local_test_split(part, train, test, 4, seed=0)
+    per = [np.bincount(test[g], minlength=4).tolist() for g in got]
+    assert per == [[6, 4, 0, 0], [2, 0, 2, 0]]
+    assert len(np.intersect1d(got[0], got[1])) == 0  # disjoint
+    assert all(np.all(np.diff(g) > 0) for g in got)
+    again = P.local_test_split(part, train, test, 4, seed=0)
+    assert all(np.array_equal(a, b) for a, b in zip(got, again))  # seeded
+    other = P.local_test_split(part, train, test, 4, seed=1)
+    assert any(not np.array_equal(a, b) for a, b in zip(got, other))  # the seed picks which test samples

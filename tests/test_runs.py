@@ -450,3 +450,34 @@ def test_long_tailed_runs_report_shot_groups_by_default(store, tmp_path):
         and row["many_acc"] is None
         and row["medium_acc"] is None
     )
+
+
+def test_local_test_reports_the_mean_of_per_client_accuracies(store, tmp_path):
+    """--local-test proportional: local_acc is the unweighted mean over clients of their accuracies on their own
+    test rows; recomputed here from the run's weights, predictions and the split."""
+    import numpy as np
+
+    from fedfeat.engine import load_run_data
+    from fedfeat.partition import local_test_split, make_partition
+    from fedfeat.store import FeatureStore
+
+    args = ["train", "--method", "zeroshot", "--store", str(store), "--clients", "4", "--partition", "dirichlet",
+            "--alpha", "0.3", "--out", str(tmp_path), "--local-test", "proportional", "--quiet", "--rounds", "1"]  # fmt: skip
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    (run,) = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    summary = json.loads((run / "summary.json").read_text())
+    st = FeatureStore.open(store)
+    part = make_partition(st.labels("train"), "dirichlet", clients=4, alpha=0.3)
+    data = load_run_data(st, part)
+    text = torch.nn.functional.normalize(data.text_all[0], dim=-1)
+    pred = (torch.nn.functional.normalize(data.test_x, dim=-1) @ text.T).argmax(1).numpy()
+    y = data.test_y.numpy()
+    rows = local_test_split(part, st.labels("train"), y, st.n_classes, seed=0)
+    want = np.mean([(pred[r] == y[r]).mean() * 100 for r in rows if len(r)])
+    assert summary["local_acc"] == pytest.approx(want, abs=1e-9)
+    assert summary["local_acc"] != pytest.approx(summary["final_acc"], abs=1e-6)  # not the global accuracy
+    rep = runner.invoke(app, ["report", str(tmp_path)])
+    assert "local acc" in rep.output
+    bad = runner.invoke(app, args[:-2] + ["--local-test", "yes", "--name", "x"])
+    assert bad.exit_code == 2 and "--local-test must be one of none, proportional" in bad.output

@@ -26,7 +26,8 @@ pseudo-labeller of ``fedfeat.pseudolabel``; its selected samples become its trai
 the selected-set sizes, as FedCoPL weights by them) and the loss is CE on hard labels (FPL) or CPL's
 candidate-set loss ``-log Σ_{j∈S} p_j`` (``cc``). Pseudo-labels are fixed for the run (FPL's static labels; CPL
 refreshes its candidate sets with the trained model during training, which this mode does not yet do: a
-documented deviation). ``round_metrics`` reports the pseudo-labels' accuracy against the true labels.
+documented deviation). ``round_metrics`` reports the pseudo-labels' accuracy (``pseudo_label_acc``; for CPL:
+the share of samples whose candidate set holds the true class) against the true labels.
 """
 
 from __future__ import annotations
@@ -202,11 +203,11 @@ class PromptFL(PromptMethod):
         truth = data.train_y[rows.to(data.train_y.device)]
         out = {"pseudo_samples": len(rows)}
         if self.pseudo == "fpl":
-            out["pseudo_acc"] = 100 * float(
+            out["pseudo_label_acc"] = 100 * float(
                 (ctx.state["pseudo_labels"].to(truth.device) == truth).double().mean()
             )
         else:
             cand = ctx.state["pseudo_candidates"].to(truth.device)
-            out["pseudo_acc"] = 100 * float(cand[torch.arange(len(truth)), truth].double().mean())
+            out["pseudo_label_acc"] = 100 * float(cand[torch.arange(len(truth)), truth].double().mean())
             out["pseudo_set_size"] = float(cand.sum(1).double().mean())
         return out
