@@ -364,7 +364,7 @@ def evaluate(method, ctx: Context, glob: dict, test_y: torch.Tensor, n_classes: 
     cnt = torch.bincount(test_y, minlength=n_classes).to(torch.float64)
     pc = (per_class / cnt.clamp_min(1)).tolist()
     out = {"acc": float(correct.mean()) * 100, "per_class_acc": [100 * v for v in pc], "pred": pred}
-    if ctx.local_test is not None:
+    if getattr(ctx, "local_test", None) is not None:
         out["extra"] = local_accuracy(ctx, correct)
     return out
 
