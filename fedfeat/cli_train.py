@@ -188,7 +188,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def report(
         runs: list[Path] = typer.Argument(..., help="Run directories (or parents of run directories)."),
-        fmt: str = typer.Option("markdown", "--format", help="markdown or csv."),
+        fmt: str = typer.Option("markdown", "--format", help="markdown, csv or json (plain numbers)."),
         plot: Optional[Path] = typer.Option(None, help="Draw every run's accuracy curve into this PNG."),
         all_runs: bool = typer.Option(
             False, "--all", help="Also list unfinished runs (interrupted or running) and how to resume them."
@@ -208,3 +208,52 @@ def register(app: typer.Typer) -> None:
         typer.echo(make_report(runs, fmt=fmt, plot=plot, all_runs=all_runs, seeds=seeds, warn=warn))
         if plot is not None:
             typer.echo(f"plot: {plot}")
+
+    @app.command()
+    def sweep(
+        grid: Optional[Path] = typer.Option(
+            None, help="A grid TOML file: [fixed] settings, [grid] value lists, [[cells]] (README, Sweeps)."
+        ),
+        method: Optional[str] = typer.Option(None, help="Methods, comma-separated (e.g. fedavg,fst-cbdg)."),
+        store: Optional[str] = typer.Option(None, help="Stores, comma-separated."),
+        partition: Optional[str] = typer.Option(None, help="Partition schemes, comma-separated."),
+        alpha: Optional[str] = typer.Option(None, help="Dirichlet alphas, comma-separated."),
+        shards: Optional[str] = typer.Option(None, help="Shards per client, comma-separated."),
+        clients: Optional[str] = typer.Option(None, help="Client counts, comma-separated."),
+        participation: Optional[str] = typer.Option(None, help="Participations, comma-separated."),
+        rounds: Optional[str] = typer.Option(None, help="Round counts, comma-separated."),
+        seed: Optional[str] = typer.Option(None, help="Seeds, comma-separated or a range: 0,1,2 or 0-4."),
+        engine: Optional[str] = typer.Option(None, help="batched and/or loop."),
+        kernel: Optional[str] = typer.Option(None, help="auto, fused, torch."),
+        device: Optional[str] = typer.Option(None, help="auto, cpu or cuda."),
+        set_: Optional[list[str]] = typer.Option(
+            None, "--set", help="Hyperparameter key=v1,v2 (repeatable): every value is a grid axis."
+        ),
+        out: Optional[Path] = typer.Option(None, help="Parent directory of the runs. Default runs/."),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Redo finished runs (default: skip them)."),
+        fmt: str = typer.Option("markdown", "--format", help="The closing table: markdown, csv or json."),
+        quiet: bool = typer.Option(False, "--quiet", help="No per-run lines."),
+    ) -> None:
+        """Run a grid of runs in one process (stores, partitions and features loaded once); every point is an
+        ordinary run directory; finished runs are skipped. Ends with mean ± std over seeds per setting."""
+        from fedfeat import sweep as sw
+        from fedfeat.runs import TYPES, report
+
+        kw = sw.read_grid(grid) if grid is not None else {"grid": {}, "params": {}, "fixed": {}}
+        flags = {"method": method, "store": store, "partition": partition, "alpha": alpha, "shards": shards,
+                 "clients": clients, "participation": participation, "rounds": rounds, "seed": seed,
+                 "engine": engine, "kernel": kernel, "device": device}  # fmt: skip
+        for k, v in flags.items():
+            if v is not None:
+                kw["grid"][k] = sw.parse_values(k, v, TYPES.get(k, str))
+        for s in set_ or []:
+            if "=" not in s:
+                raise FedfeatError(f"--set expects key=value[,value...], got {s!r}; e.g. --set sigma=0.5,1,2")
+            k, v = s.split("=", 1)
+            kw["params"][k.strip()] = sw.parse_values(k.strip(), v, str)
+        if out is not None:
+            kw["fixed"]["out"] = str(out)
+        points = sw.expand(**kw)
+        log = (lambda *a: None) if quiet else typer.echo
+        paths = sw.run_sweep(points, overwrite=overwrite, progress=False, log=log)
+        typer.echo(report(paths, fmt=fmt, seeds=True, warn=lambda m: typer.echo(m, err=True)))

@@ -360,10 +360,19 @@ def _provenance() -> dict:
 
 def open_store(cfg: RunConfig):
     """The run's store, read-only; a replayed config's store must have the recorded fingerprint."""
+    from fedfeat import sweep
     from fedfeat.store import FeatureStore
 
-    store = FeatureStore.open(cfg.store, mode="r")
-    check_labels(store)
+    sess = sweep.active()
+    where = str(Path(cfg.store).resolve())
+    if sess is not None and where in sess.stores:  # a sweep: one open store (and its label check) per process
+        store = sess.stores[where]
+        sess.hits += 1
+    else:
+        store = FeatureStore.open(cfg.store, mode="r")
+        check_labels(store)
+        if sess is not None:
+            sess.stores[where] = store
     if cfg.preset is not None:
         from fedfeat.openvocab import PRESETS
 
@@ -387,19 +396,28 @@ def open_store(cfg: RunConfig):
 def run_partition(store, cfg: RunConfig, save: bool):
     """``(key, Partition, stored)``: computed in memory (the store is opened read-only); saved into the store
     only when asked (``--save-partition``) and the store is writable."""
+    from fedfeat import sweep
     from fedfeat.report import store_partition
 
-    key, part = store_partition(
-        store,
-        scheme=cfg.partition,
-        clients=cfg.clients,
-        alpha=cfg.alpha,
-        shards=cfg.shards,
-        imbalance_factor=cfg.imbalance_factor,
-        shots=cfg.shots,
-        seed=cfg.partition_seed,
-        save=False,
-    )
+    sess = sweep.active()
+    ck = (str(store.path), cfg.partition, cfg.clients, cfg.alpha, cfg.shards, cfg.imbalance_factor, cfg.shots,
+          cfg.partition_seed)  # fmt: skip
+    if sess is not None and ck in sess.partitions:
+        key, part = sess.partitions[ck]
+    else:
+        key, part = store_partition(
+            store,
+            scheme=cfg.partition,
+            clients=cfg.clients,
+            alpha=cfg.alpha,
+            shards=cfg.shards,
+            imbalance_factor=cfg.imbalance_factor,
+            shots=cfg.shots,
+            seed=cfg.partition_seed,
+            save=False,
+        )
+        if sess is not None:
+            sess.partitions[ck] = (key, part)
     stored = key in store.partition_keys()
     if save and not stored:
         from fedfeat.store import FeatureStore
@@ -507,7 +525,7 @@ def _train_locked(
 ):  # fmt: skip
     from safetensors.torch import save_file
 
-    from fedfeat.engine import load_run_data, run_federated
+    from fedfeat.engine import run_federated
     from fedfeat.plots import plot_curves
 
     rd.recover()
@@ -548,19 +566,9 @@ def _train_locked(
 
                 to_json(part, rd.partial / "partition.json")  # computed here: kept with the run
         centralized = getattr(method, "centralized", False)
-        data = load_run_data(
-            store,
-            part,
-            device=device,
-            centralized=centralized,
-            local_val=cfg.local_val or "paper",
-            query_val=cfg.query_val or "paper",
-            local_test=cfg.local_test or "none",
-        )
+        data = _run_data(store, part, key, cfg, device, centralized)
         if getattr(method, "needs_live_text", False):  # prompt methods: the store's text encoder, checked
-            from fedfeat.live import load_live_text
-
-            data.live = load_live_text(store, device=device, pretrained=cfg.pretrained)
+            data.live = _live_text(store, cfg, device)
             log(
                 f"live text encoder: {data.live.backbone} ({data.live.weights}) reproduces the store's text "
                 f"features (min cosine {data.live.min_cosine:.6f})"
@@ -647,6 +655,51 @@ def _train_locked(
         f"{wall:.1f} s)"
     )
     return rd.final
+
+
+def _run_data(store, part, key: str, cfg: RunConfig, device, centralized: bool):
+    """``load_run_data`` for this run, shared with the other runs of a sweep that read the same data."""
+    from fedfeat import sweep
+    from fedfeat.engine import load_run_data
+
+    sess = sweep.active()
+    lv, qv, lt = cfg.local_val or "paper", cfg.query_val or "paper", cfg.local_test or "none"
+    ck = (str(store.path), key, str(device), centralized, lv, qv, lt)
+    if sess is not None and ck in sess.data:
+        return sess.data[ck]
+    data = load_run_data(
+        store, part, device=device, centralized=centralized, local_val=lv, query_val=qv, local_test=lt
+    )
+    if sess is not None:
+        sess.data[ck] = data
+    return data
+
+
+def _live_text(store, cfg: RunConfig, device):
+    from fedfeat import sweep
+    from fedfeat.live import load_live_text
+
+    sess = sweep.active()
+    ck = (str(store.path), str(device), cfg.pretrained)
+    if sess is not None and ck in sess.live:
+        return sess.live[ck]
+    live = load_live_text(store, device=device, pretrained=cfg.pretrained)
+    if sess is not None:
+        sess.live[ck] = live
+    return live
+
+
+def run_name(cfg: RunConfig) -> Path:
+    """The directory ``train(cfg)`` would publish (``OUT/NAME``), computed without writing anything."""
+    from fedfeat.methods import get_method
+
+    method = get_method(cfg.method, cfg.params)
+    store = open_store(cfg)
+    key, _, _ = run_partition(store, cfg, False)
+    name = cfg.name or default_run_name(
+        cfg, dataclasses.asdict(method.p), dataclasses.asdict(type(method).Params()), store.attrs, key
+    )
+    return Path(cfg.out) / name
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -854,8 +907,8 @@ def report(
     report fails only when no run is readable. ``all_runs`` adds the unfinished runs (interrupted or running)."""
     from fedfeat.plots import plot_curves
 
-    if fmt not in ("markdown", "csv"):
-        raise FedfeatError(f"unknown format '{fmt}'; choose markdown or csv")
+    if fmt not in ("markdown", "csv", "json"):
+        raise FedfeatError(f"unknown format '{fmt}'; choose markdown, csv or json")
     warn = warn or (lambda msg: print(msg, file=sys.stderr))
     problems: list[str] = []
     found, parents = _collect(paths, problems.append)
@@ -875,6 +928,8 @@ def report(
         return _unfinished_table(unfinished, fmt)
     if seeds:
         return seed_table([s for s, _, _ in runs], fmt)
+    if fmt == "json":  # the runs' summaries, plain numbers
+        return json.dumps([{**s, "path": str(q)} for s, _, q in runs], indent=1)
     has_lt = any("many_acc" in s for s, _, _ in runs)
     has_pl = any(s.get("pseudo_label_acc") is not None for s, _, _ in runs)
     cols = ["method", "settings", "partition", "labels", "rounds", "round-0 acc", "final acc", "best acc"]
@@ -955,27 +1010,56 @@ SEED_METRICS = {"final_acc": "final acc", "best_acc": "best acc", "novel_precisi
                 "pseudo_label_acc": "pseudo-label acc", "local_acc": "local acc"}  # fmt: skip
 
 
-def seed_table(summaries: list[dict], fmt: str = "markdown") -> str:
+def seed_groups(summaries: list[dict]) -> list[dict]:
     """Runs grouped by everything but the seed (method, settings, store, partition, rounds, clients,
-    participation): each metric as mean ± sample standard deviation over the group's seeds, with n."""
+    participation), each with every metric's mean, sample standard deviation (n - 1; None for one run) and n."""
     groups: dict[tuple, list[dict]] = {}
     for s in summaries:
         defaults = _method_defaults(s["method"])
         changed = " ".join(f"{k}={v}" for k, v in s["params"].items() if defaults.get(k, v) != v) or "-"
         key = (s["method"], changed, s["partition"], s.get("store_fingerprint"), s["rounds"], s.get("clients"),
-               s.get("participation"))  # fmt: skip
+               s.get("participation"), Path(str(s.get("store", ""))).name)  # fmt: skip
         groups.setdefault(key, []).append(s)
     metrics = [k for k in SEED_METRICS if any(s.get(k) is not None for s in summaries)]
-    cols = ["method", "settings", "partition", "rounds", "n", "seeds"] + [SEED_METRICS[k] for k in metrics]
-    rows = []
+    out = []
     for key, ss in groups.items():
-        row = [key[0], key[1], key[2], str(key[4]), str(len(ss)), ",".join(str(s["seed"]) for s in ss)]
+        g = {"method": key[0], "settings": key[1], "store": key[7], "store_fingerprint": key[3],
+             "partition": key[2], "rounds": key[4], "clients": key[5], "participation": key[6],
+             "n": len(ss), "seeds": [s["seed"] for s in ss], "metrics": {}}  # fmt: skip
         for k in metrics:
             v = np.array([s[k] for s in ss if s.get(k) is not None], dtype=np.float64)
-            if len(v) == 0:
-                row.append("-")
-            else:
-                row.append(f"{v.mean():.2f} ± {v.std(ddof=1):.2f}" if len(v) > 1 else f"{v[0]:.2f}")
+            g["metrics"][k] = (
+                {"mean": float(v.mean()), "std": float(v.std(ddof=1)) if len(v) > 1 else None, "n": len(v)}
+                if len(v)
+                else None
+            )
+        out.append(g)
+    return out
+
+
+def seed_table(summaries: list[dict], fmt: str = "markdown") -> str:
+    """``seed_groups`` as a table: each metric as mean ± sample standard deviation over the group's seeds, with n
+    (markdown, CSV) or as JSON with plain numbers."""
+    groups = seed_groups(summaries)
+    if fmt == "json":
+        return json.dumps(groups, indent=1)
+    metrics = [k for k in SEED_METRICS if any(g["metrics"].get(k) for g in groups)]
+    cols = ["method", "settings", "store", "partition", "rounds", "n", "seeds"] + [
+        SEED_METRICS[k] for k in metrics
+    ]
+    rows = []
+    for g in groups:
+        row = [g["method"], g["settings"], g["store"], g["partition"], str(g["rounds"]), str(g["n"]),
+               ",".join(map(str, g["seeds"]))]  # fmt: skip
+        for k in metrics:
+            m = g["metrics"].get(k)
+            row.append(
+                "-"
+                if m is None
+                else f"{m['mean']:.2f} ± {m['std']:.2f}"
+                if m["n"] > 1
+                else f"{m['mean']:.2f}"
+            )
         rows.append(row)
     return _table(cols, rows, fmt)
 

@@ -1,0 +1,198 @@
+"""Sweeps: a grid of runs in one process (``fedfeat sweep``, ``fedfeat.sweep``).
+
+Every grid point is an ordinary run directory (its own ``config.toml``, metrics, weights, name), made by the same
+``fedfeat.runs.train`` as ``fedfeat train``. What a sweep adds is one process for all of them: the interpreter,
+torch, the compiled CPU kernels, each store, each partition and each store's loaded features are made once and
+shared (``Session``), so a grid of short runs costs its rounds, not 3-4 s of start-up per run. Finished runs
+are skipped (a sweep can be re-run after an interruption and only does what is missing), unless ``overwrite``.
+
+A grid is the cartesian product of value lists over run settings (``method``, ``seed``, ``alpha``, ...) and
+method hyperparameters (``params``), times an optional list of *cells* -- settings that vary together, e.g.
+partitions with their own parameters::
+
+    # grid.toml
+    [fixed]
+    store = "cache/synth-cifar10.zarr"
+    rounds = 10
+    [grid]
+    method = ["fedavg", "fst-cbdg"]
+    seed = [0, 1, 2, 3, 4]
+    [grid.params]
+    sigma = [0.5, 1.0]            # a method without this hyperparameter skips the key (named in the log)
+    [[cells]]
+    partition = "shard"
+    shards = 2
+    [[cells]]
+    partition = "dirichlet"
+    alpha = 0.1
+
+The runs are made one after another: stacking runs that share their data order into one batched program along a
+run axis is not implemented (BENCHMARKS.md gives what the shared process saves).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tomllib
+
+from fedfeat.errors import FedfeatError
+
+
+@dataclass
+class Session:
+    """Caches shared by the runs of one process (``fedfeat.runs`` uses the active one)."""
+
+    stores: dict = field(default_factory=dict)  # store path -> FeatureStore (read-only)
+    partitions: dict = field(default_factory=dict)  # (store path, partition settings) -> (key, Partition)
+    data: dict = field(default_factory=dict)  # (store path, partition key, load settings) -> RunData
+    live: dict = field(default_factory=dict)  # (store path, device, pretrained) -> LiveText
+    hits: int = 0
+
+
+_ACTIVE: list[Session] = []
+
+
+def active() -> Session | None:
+    """The session of the innermost ``session()`` block, or None."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+@contextlib.contextmanager
+def session():
+    """Share stores, partitions and loaded features between the runs made inside the block."""
+    s = Session()
+    _ACTIVE.append(s)
+    try:
+        yield s
+    finally:
+        _ACTIVE.pop()
+
+
+def _as_list(key: str, v) -> list:
+    if isinstance(v, list):
+        if not v:
+            raise FedfeatError(f"grid value list for {key} is empty; give at least one value")
+        return v
+    return [v]
+
+
+def expand(grid: dict | None = None, params: dict | None = None, cells: list[dict] | None = None,
+           fixed: dict | None = None, fixed_params: dict | None = None) -> list[tuple[dict, dict]]:  # fmt: skip
+    """The grid's points as ``(settings, params)`` pairs, in a deterministic order: cells outermost, then the
+    grid's keys in the order given, then its params."""
+    grid, params, cells = dict(grid or {}), dict(params or {}), list(cells or [{}])
+    keys, pkeys = list(grid), list(params)
+    out = []
+    for cell in cells:
+        if not isinstance(cell, dict):
+            raise FedfeatError('each [[cells]] entry must be a table of settings, e.g. partition = "shard"')
+        for vals in itertools.product(*(_as_list(k, grid[k]) for k in keys)):
+            for pvals in itertools.product(*(_as_list(k, params[k]) for k in pkeys)):
+                settings = {**(fixed or {}), **cell, **dict(zip(keys, vals))}
+                out.append((settings, {**(fixed_params or {}), **dict(zip(pkeys, pvals))}))
+    return out
+
+
+def parse_values(key: str, text: str, typ=str) -> list:
+    """``"0,1,2"`` or a range ``"0-4"`` (integers only) -> typed values; a one-line error names a bad one."""
+    text = text.strip()
+    if typ is int and "-" in text and "," not in text and not text.startswith("-"):
+        a, _, b = text.partition("-")
+        try:
+            lo, hi = int(a), int(b)
+        except ValueError:
+            raise FedfeatError(f"--{key} {text!r}: a range is two integers, e.g. 0-4") from None
+        if hi < lo:
+            raise FedfeatError(f"--{key} {text!r}: the range is empty (write low-high, e.g. 0-4)")
+        return list(range(lo, hi + 1))
+    out = []
+    for v in (x.strip() for x in text.split(",")):
+        if not v:
+            raise FedfeatError(f"--{key} {text!r} has an empty value; separate values with single commas")
+        try:
+            out.append(typ(v))
+        except ValueError:
+            raise FedfeatError(f"--{key}: {v!r} is not a {typ.__name__}") from None
+    return out
+
+
+def read_grid(path: str | Path) -> dict:
+    """A grid TOML file (module docstring) -> ``expand``'s keyword arguments."""
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise FedfeatError(f"grid file {p} not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise FedfeatError(f"cannot read grid file {p}: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise FedfeatError(f"grid file {p} is not valid TOML: {e}; fix the line it names") from None
+    unknown = set(data) - {"fixed", "grid", "cells"}
+    if unknown:
+        raise FedfeatError(f"grid file {p}: unknown tables {sorted(unknown)}; use [fixed], [grid], [[cells]]")
+    fixed = dict(data.get("fixed", {}))
+    grid = dict(data.get("grid", {}))
+    return {
+        "grid": {k: v for k, v in grid.items() if k != "params"},
+        "params": grid.get("params", {}),
+        "cells": data.get("cells"),
+        "fixed": {k: v for k, v in fixed.items() if k != "params"},
+        "fixed_params": fixed.get("params", {}),
+    }
+
+
+def _applicable(method: str, params: dict, log) -> dict:
+    """The params that ``method`` has (a grid over one method's hyperparameter leaves the others alone)."""
+    import dataclasses
+
+    from fedfeat.methods import REGISTRY
+
+    cls = REGISTRY.get(method)
+    if cls is None:
+        return params  # get_method names the unknown method
+    names = {f.name for f in dataclasses.fields(cls.Params)}
+    dropped = sorted(k for k in params if k.replace("-", "_") not in names)
+    if dropped:
+        log(f"{method}: no hyperparameter {', '.join(dropped)}; those grid keys are skipped for it")
+    return {k: v for k, v in params.items() if k.replace("-", "_") in names}
+
+
+def run_sweep(
+    points: list[tuple[dict, dict]], *, overwrite: bool = False, progress: bool = True, log=print
+) -> list[Path]:
+    """Make every point's run (skipping finished ones unless ``overwrite``); returns the run directories in the
+    points' order. One process, one ``Session``."""
+    from fedfeat.runs import DEFAULTS, resolve_config, run_name
+    from fedfeat.runs import train as run_train
+
+    paths: list[Path] = []
+    with session() as s:
+        cfgs = []
+        for settings, params in points:
+            method = settings.get("method", DEFAULTS["method"])
+            ps = _applicable(method, params, log)
+            cfgs.append(resolve_config(settings, None, [f"{k}={v}" for k, v in ps.items()]))
+        names = [run_name(c) for c in cfgs]
+        seen: dict[Path, int] = {}
+        for i, path in enumerate(names):
+            if path in seen:
+                raise FedfeatError(
+                    f"grid points {seen[path] + 1} and {i + 1} are the same run ({path.name}); remove the duplicate"
+                )
+            seen[path] = i
+        for i, (cfg, path) in enumerate(zip(cfgs, names)):
+            if (path / "summary.json").is_file() and not overwrite:
+                log(f"[{i + 1}/{len(cfgs)}] {path.name}: finished already, skipped")
+                paths.append(path)
+                continue
+            log(f"[{i + 1}/{len(cfgs)}] {path.name}")
+            paths.append(run_train(cfg, overwrite=overwrite, progress=progress, log=lambda *a: None))
+        del s
+    return paths
+
+
+__all__ = ["Session", "session", "active", "expand", "parse_values", "read_grid", "run_sweep"]

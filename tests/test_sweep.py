@@ -1,0 +1,117 @@
+"""Sweeps (``fedfeat sweep``, ``fedfeat.sweep``): grid expansion, one process for many runs whose results equal
+the same runs made one by one, skipping finished runs, and the closing mean ± std table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from fedfeat import sweep as sw
+from fedfeat.cli import app
+from fedfeat.errors import FedfeatError
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sw") / "s.zarr"
+    r = runner.invoke(app, ["synth", "--out", str(out), "--dim", "32", "--train-per-class", "60",
+                            "--test-per-class", "20", "--templates", "2", "--no-stats"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def test_expand_grid_cells_and_params_in_order():
+    pts = sw.expand(
+        grid={"method": ["fedavg", "fst-cbdg"], "seed": [0, 1]},
+        params={"lr": [0.1, 0.2]},
+        cells=[{"partition": "shard", "shards": 2}, {"partition": "iid"}],
+        fixed={"rounds": 3},
+    )
+    assert len(pts) == 2 * 2 * 2 * 2
+    assert pts[0] == (
+        {"rounds": 3, "partition": "shard", "shards": 2, "method": "fedavg", "seed": 0},
+        {"lr": 0.1},
+    )
+    assert pts[1][1] == {"lr": 0.2} and pts[2][0]["seed"] == 1
+    assert pts[-1] == ({"rounds": 3, "partition": "iid", "method": "fst-cbdg", "seed": 1}, {"lr": 0.2})
+
+
+def test_parse_values_and_bad_values():
+    assert sw.parse_values("seed", "0-4", int) == [0, 1, 2, 3, 4]
+    assert sw.parse_values("alpha", "0.1,0.5", float) == [0.1, 0.5]
+    with pytest.raises(FedfeatError, match="--seed 'x': a range|is not a int"):
+        sw.parse_values("seed", "1,x", int)
+    with pytest.raises(FedfeatError, match="empty value"):
+        sw.parse_values("method", "fedavg,,fedntd", str)
+    with pytest.raises(FedfeatError, match="the range is empty"):
+        sw.parse_values("seed", "4-1", int)
+
+
+def _rows(run: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        for k in ("seconds", "train_seconds"):
+            r.pop(k, None)
+    return rows
+
+
+def test_sweep_runs_equal_separate_runs_and_finished_runs_are_skipped(store, tmp_path):
+    args = ["--store", str(store), "--method", "fedavg,fst-cbdg", "--seed", "0,1", "--partition", "shard",
+            "--clients", "10", "--participation", "0.5", "--rounds", "3", "--set", "lr=0.01,0.02"]  # fmt: skip
+    r = runner.invoke(app, ["sweep", *args, "--out", str(tmp_path / "sw")])
+    assert r.exit_code == 0, r.output
+    runs = sorted(p for p in (tmp_path / "sw").iterdir() if not p.name.startswith("."))
+    assert len(runs) == 8
+    # the closing table: 4 groups (method x lr) of n = 2 seeds
+    assert r.output.count("| 2 | 0,1 |") == 4
+    # one of them made alone, in its own invocation, gives the same metrics
+    one = runner.invoke(app, ["train", "--store", str(store), "--method", "fst-cbdg", "--seed", "1", "--partition",
+                              "shard", "--clients", "10", "--participation", "0.5", "--rounds", "3", "--set",
+                              "lr=0.02", "--out", str(tmp_path / "one"), "--quiet"])  # fmt: skip
+    assert one.exit_code == 0, one.output
+    (alone,) = [p for p in (tmp_path / "one").iterdir() if not p.name.startswith(".")]
+    twin = tmp_path / "sw" / alone.name
+    assert _rows(twin) == _rows(alone)
+    # again: everything finished, nothing redone
+    again = runner.invoke(app, ["sweep", *args, "--out", str(tmp_path / "sw")])
+    assert again.exit_code == 0 and again.output.count("finished already, skipped") == 8
+
+
+def test_grid_file_and_a_param_that_one_method_lacks(store, tmp_path):
+    grid = tmp_path / "grid.toml"
+    grid.write_text(f"""
+[fixed]
+store = "{store}"
+rounds = 2
+clients = 10
+out = "{tmp_path / "g"}"
+[grid]
+method = ["fedavg", "zeroshot"]
+seed = [0, 1, 2]
+[grid.params]
+lr = [0.05]
+[[cells]]
+partition = "iid"
+""")
+    r = runner.invoke(app, ["sweep", "--grid", str(grid), "--format", "json"])
+    assert r.exit_code == 0, r.output
+    assert "zeroshot: no hyperparameter lr; those grid keys are skipped for it" in r.output
+    groups = json.loads(r.output[r.output.index("[\n") :])
+    assert {g["method"]: g["n"] for g in groups} == {"fedavg": 3, "zeroshot": 3}
+    zs = next(g for g in groups if g["method"] == "zeroshot")
+    assert zs["metrics"]["final_acc"]["std"] == 0.0  # zero-shot does not depend on the seed
+
+
+def test_bad_grid_file_is_a_one_line_error(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[grid]\nmethod = [\n")
+    r = runner.invoke(app, ["sweep", "--grid", str(bad)])
+    assert r.exit_code == 2 and "is not valid TOML" in r.output
+    bad.write_text("[grids]\nmethod = ['fedavg']\n")
+    r = runner.invoke(app, ["sweep", "--grid", str(bad)])
+    assert r.exit_code == 2 and "unknown tables ['grids']" in r.output
