@@ -67,6 +67,11 @@ def register(app: typer.Typer) -> None:
             None, help="Fraction of clients per round; max(1, int(p * clients)) are sampled. Default 0.1."
         ),
         rounds: Optional[int] = typer.Option(None, help="Communication rounds. Default 10."),
+        eval_every: Optional[int] = typer.Option(
+            None,
+            help="Evaluate on the test split at round 0, every N-th round and the last (best acc is over those "
+            "rounds). Default 1.",
+        ),
         seed: Optional[int] = typer.Option(
             None, help="Run seed (client sampling, shuffles, synthetic draws)."
         ),
@@ -150,6 +155,7 @@ def register(app: typer.Typer) -> None:
             "shot_thresholds": shot_thresholds,
             "pretrained": pretrained,
             "local_test": local_test,
+            "eval_every": eval_every,
         }
         opts = dict(
             overwrite=overwrite,
@@ -257,3 +263,42 @@ def register(app: typer.Typer) -> None:
         log = (lambda *a: None) if quiet else typer.echo
         paths = sw.run_sweep(points, overwrite=overwrite, progress=False, log=log)
         typer.echo(report(paths, fmt=fmt, seeds=True, warn=lambda m: typer.echo(m, err=True)))
+
+    @app.command()
+    def reproduce(
+        name: str = typer.Argument(..., help="fst-cbdg-table1 .. fst-cbdg-table4, clip2fl-table1."),
+        store_root: Path = typer.Option(
+            Path("cache"), help="Where the encoded stores are: ROOT/<dataset>/<backbone>-*.zarr."
+        ),
+        synthetic: bool = typer.Option(
+            False,
+            "--synthetic",
+            help="Build synthetic stand-in stores (the numbers then say nothing about data).",
+        ),
+        seeds: int = typer.Option(5, help="Seeds per cell (0 .. N-1)."),
+        rounds: Optional[int] = typer.Option(None, help="Override the paper's round count."),
+        out: Optional[Path] = typer.Option(None, help="Parent of the runs. Default runs/reproduce-NAME."),
+        fmt: str = typer.Option("markdown", "--format", help="markdown, csv or json."),
+        overwrite: bool = typer.Option(
+            False, "--overwrite", help="Redo finished runs (default: reuse them)."
+        ),
+        quiet: bool = typer.Option(False, "--quiet", help="No per-run lines."),
+    ) -> None:
+        """Run a paper's table (its grid x seeds, in one process) and print it in the paper's layout, ours
+        (mean ± std) beside the paper's numbers."""
+        from fedfeat.reproduce import reproduce as run_table
+
+        log = (lambda *a: None) if quiet else (lambda m: typer.echo(m, err=True))
+        typer.echo(
+            run_table(
+                name,
+                store_root=store_root,
+                synthetic=synthetic,
+                seeds=seeds,
+                rounds=rounds,
+                out=out,
+                fmt=fmt,
+                overwrite=overwrite,
+                log=log,
+            )  # fmt: skip
+        )

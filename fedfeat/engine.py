@@ -303,6 +303,7 @@ class RunData:
     train_counts: torch.Tensor  # [K] counts over the partition's samples
     open_vocab: object | None = None  # fedfeat.openvocab.OpenVocab; test_x/test_y are then the query set
     live: object | None = None  # fedfeat.live.LiveText (``needs_live_text`` methods; set by the caller)
+    memo: dict | None = None  # a sweep's shared RunData keeps its normalised copies here (``build_context``)
     local_test: list | None = None  # per client: int64 rows of test_x (``local_test="proportional"``)
 
 
@@ -313,6 +314,17 @@ def _normalize(x: torch.Tensor) -> torch.Tensor:
 def build_context(data: RunData, method, seed: int, device: torch.device) -> Context:
     p = method.p
     norm = getattr(p, "normalize", True)
+    memo = data.memo
+
+    def _normalize(x: torch.Tensor, name: str = "") -> torch.Tensor:
+        """L2-normalised rows; a sweep's shared data normalises each array once (the copies are never written:
+        methods replace context tensors, they do not modify them in place)."""
+        if memo is None or not name:
+            return F.normalize(x, dim=-1)
+        if name not in memo:
+            memo[name] = F.normalize(x, dim=-1)
+        return memo[name]
+
     text_all = _normalize(data.text_all.to(data.train_x.dtype))
     tmpl = getattr(p, "templates", "first")
     if tmpl == "first":
@@ -323,11 +335,11 @@ def build_context(data: RunData, method, seed: int, device: torch.device) -> Con
         raise FedfeatError(f"templates must be 'first' or 'ensemble', got {tmpl!r}")
     ctx = Context(
         device=device,
-        feats=_normalize(data.train_x) if norm else data.train_x,
+        feats=_normalize(data.train_x, "train_x") if norm else data.train_x,
         offsets=data.offsets,
         text=text.to(device),
         text_all=text_all.to(device),
-        test_x=_normalize(data.test_x) if norm else data.test_x,
+        test_x=_normalize(data.test_x, "test_x") if norm else data.test_x,
         clip_logit_scale=data.clip_logit_scale,
         seed=seed,
         n_clients=len(data.offsets) - 1,
@@ -455,6 +467,7 @@ def run_federated(
     on_checkpoint: Callable[[int, dict, dict], None] | None = None,
     checkpoint_every: int = 0,
     resume: tuple[int, dict, dict] | None = None,
+    eval_every: int = 1,
 ) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """Run ``rounds`` federated rounds of ``method``; returns the final weights (``method.final_weights``:
     the global parameters unless the method adds more) and the per-round metrics (round 0 is the evaluation
@@ -466,11 +479,16 @@ def run_federated(
     streams are counter-based), and only their metrics are returned.
 
     A round whose training loss, global weights or evaluated weights are not finite stops the run with a
-    ``FedfeatError`` naming the round and the method."""
+    ``FedfeatError`` naming the round and the method.
+
+    ``eval_every`` N: the test evaluation runs at round 0, every N-th round and the last; the other rounds' rows
+    have ``test_acc`` None (their training metrics are kept)."""
     if engine not in ("batched", "loop"):
         raise FedfeatError(f"unknown engine '{engine}'; choose batched or loop")
     if not 0 < participation <= 1:
         raise FedfeatError(f"--participation must be in (0, 1], got {participation}")
+    if eval_every < 1:
+        raise FedfeatError(f"--eval-every must be >= 1, got {eval_every}")
     device = torch.device(device)
     kernel = resolve_kernel(kernel, method, engine, device)
     threads = torch.get_num_threads()
@@ -482,7 +500,7 @@ def run_federated(
     try:
         return _run(
             method, data, rounds, participation, seed, engine, device, kernel, threads, on_round,
-            on_checkpoint, checkpoint_every, resume,
+            on_checkpoint, checkpoint_every, resume, eval_every,
         )  # fmt: skip
     finally:
         torch.set_num_threads(threads)
@@ -503,7 +521,7 @@ def check_finite(method, ctx: Context, rnd: int, glob: dict, loss: float | None)
 
 def _run(
     method, data, rounds, participation, seed, engine, device, kernel, threads, on_round,
-    on_checkpoint=None, checkpoint_every=0, resume=None,
+    on_checkpoint=None, checkpoint_every=0, resume=None, eval_every=1,
 ):  # fmt: skip
     ctx = build_context(data, method, seed, device)
     ctx.threads = threads
@@ -518,16 +536,21 @@ def _run(
         ctx.state.update(state)
         first = done + 1
 
+    total_rounds = rounds if method.federated else 0
+
     def record(rnd: int, t0: float, extra: dict) -> None:
-        ev = evaluate(method, ctx, glob, data.test_y, K)
-        row = {
-            "round": rnd,
-            "test_acc": ev["acc"],
-            "per_class_acc": ev["per_class_acc"],
-            **ev.get("extra", {}),
-        }
-        row.update(extra)
-        row.update(method.round_metrics(ctx, data, glob, ev))
+        if rnd % eval_every and rnd not in (0, total_rounds):  # --eval-every: a round without evaluation
+            row = {"round": rnd, "test_acc": None, **extra}
+        else:
+            ev = evaluate(method, ctx, glob, data.test_y, K)
+            row = {
+                "round": rnd,
+                "test_acc": ev["acc"],
+                "per_class_acc": ev["per_class_acc"],
+                **ev.get("extra", {}),
+            }
+            row.update(extra)
+            row.update(method.round_metrics(ctx, data, glob, ev))
         row["seconds"] = time.perf_counter() - t0
         metrics.append(row)
         if on_round:
@@ -536,7 +559,6 @@ def _run(
     if resume is None:
         record(0, time.perf_counter(), {"clients": [], "train_loss": None, "bytes_up": 0, "bytes_down": 0})
         check_finite(method, ctx, 0, glob, None)
-    total_rounds = rounds if method.federated else 0
     for rnd in range(first, total_rounds + 1):
         t0 = time.perf_counter()
         clients = method.sample(ctx, rnd, participation)

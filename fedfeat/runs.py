@@ -64,6 +64,7 @@ DEFAULTS = {
     "preset": None,
     "pretrained": None,
     "local_test": None,
+    "eval_every": 1,
 }
 TYPES = {
     "alpha": float,
@@ -75,6 +76,7 @@ TYPES = {
     "rounds": int,
     "seed": int,
     "shots": int,
+    "eval_every": int,
 }  # every other key is a string
 # settings that do not enter a run's identity hash (the name shows them, or they say where, not what)
 NOT_IN_HASH = ("method", "store", "out", "name", "seed", "store_fingerprint", "params", "pretrained")
@@ -108,6 +110,7 @@ class RunConfig:
     preset: str | None = (
         None  # a dataset preset (fedfeat.openvocab.PRESETS): its settings, its class count checked
     )
+    eval_every: int = DEFAULTS["eval_every"]  # evaluate at round 0, every N-th round and the last
     local_test: str | None = (
         None  # none | proportional: per-client local test splits (FedCoPL's local accuracy)
     )
@@ -216,6 +219,8 @@ def validate_config(cfg: RunConfig) -> None:
         bad("participation", f"must be in (0, 1], got {cfg.participation} (e.g. 0.1 for 10 % of the clients)")
     if cfg.rounds < 0:
         bad("rounds", f"must be >= 0, got {cfg.rounds}")
+    if cfg.eval_every < 1:
+        bad("eval_every", f"must be >= 1, got {cfg.eval_every} (1: evaluate every round)")
     if cfg.alpha is not None and not (math.isfinite(cfg.alpha) and cfg.alpha > 0):
         bad("alpha", f"must be a finite number > 0, got {cfg.alpha} (e.g. 0.1 or 0.5)")
     if cfg.imbalance_factor is not None and not (
@@ -372,6 +377,7 @@ def open_store(cfg: RunConfig):
         store = FeatureStore.open(cfg.store, mode="r")
         check_labels(store)
         if sess is not None:
+            store.memo = {}  # verified feature arrays kept for the session's other runs
             sess.stores[where] = store
     if cfg.preset is not None:
         from fedfeat.openvocab import PRESETS
@@ -591,12 +597,13 @@ def _train_locked(
         ck_seconds = [0.0]
 
         def on_round(row: dict) -> None:
-            if groups is not None:
+            if groups is not None and "per_class_acc" in row:
                 row.update(group_accuracy(row["per_class_acc"], test_counts, groups))
             mfile.write(json.dumps(row) + "\n")
             mfile.flush()
             if bar is not None:
-                bar[0].update(bar[1], completed=row["round"], acc=f"{row['test_acc']:.2f}%")
+                acc = "-" if row["test_acc"] is None else f"{row['test_acc']:.2f}%"
+                bar[0].update(bar[1], completed=row["round"], acc=acc)
             rundir.fault_point(f"after-round-{row['round']}")
 
         def on_checkpoint(rnd: int, glob: dict, state: dict) -> None:
@@ -619,6 +626,7 @@ def _train_locked(
                 on_round=on_round,
                 on_checkpoint=on_checkpoint,
                 checkpoint_every=checkpoint_every,
+                eval_every=cfg.eval_every,
                 resume=start,
             )
         finally:
@@ -630,8 +638,9 @@ def _train_locked(
         save_file(
             {k: v.detach().cpu().contiguous() for k, v in glob.items()}, rd.partial / "weights.safetensors"
         )
+        ev_rows = [r for r in metrics if r["test_acc"] is not None]
         plot_curves(
-            {cfg.method: ([r["round"] for r in metrics], [r["test_acc"] for r in metrics])},
+            {cfg.method: ([r["round"] for r in ev_rows], [r["test_acc"] for r in ev_rows])},
             rd.partial / "curve.png",
             title=f"{cfg.method} on {Path(cfg.store).name}, {key}",
         )
@@ -649,7 +658,7 @@ def _train_locked(
         elif not resuming:  # nothing to resume: this process's partial directory goes
             shutil.rmtree(rd.partial, ignore_errors=True)
         raise
-    accs = [r["test_acc"] for r in metrics]
+    accs = [r["test_acc"] for r in metrics if r["test_acc"] is not None]
     log(
         f"run: {rd.final}  (final acc {accs[-1]:.2f}%, best {max(accs):.2f}% at round {summary['best_round']}, "
         f"{wall:.1f} s)"
@@ -671,6 +680,7 @@ def _run_data(store, part, key: str, cfg: RunConfig, device, centralized: bool):
         store, part, device=device, centralized=centralized, local_val=lv, query_val=qv, local_test=lt
     )
     if sess is not None:
+        data.memo = {}
         sess.data[ck] = data
     return data
 
@@ -728,7 +738,8 @@ def _progress_bar(cfg: RunConfig, method, key: str, done: int):
 
 
 def _summary(cfg, method, method_params, kernel, device, key, name, metrics, wall, store) -> dict:
-    accs = [r["test_acc"] for r in metrics]
+    ev = [r for r in metrics if r["test_acc"] is not None]  # --eval-every: the evaluated rounds
+    accs = [r["test_acc"] for r in ev]
     last = metrics[-1]
     return {
         "name": name,
@@ -747,7 +758,7 @@ def _summary(cfg, method, method_params, kernel, device, key, name, metrics, wal
         "initial_acc": accs[0],
         "final_acc": accs[-1],
         "best_acc": max(accs),
-        "best_round": int(np.argmax(accs)),
+        "best_round": int(ev[int(np.argmax(accs))]["round"]),
         **{k: last[k] for k in SUMMARY_EXTRAS if k in last},
         "bytes_up": int(sum(r["bytes_up"] for r in metrics)),
         "bytes_down": int(sum(r["bytes_down"] for r in metrics)),
@@ -975,6 +986,7 @@ def report(
             label = f"{s['method']}" + (f" [{row[1]}]" if row[1] != "-" else "") + f" | {s['partition']}"
             if label in curves:
                 label += f" ({Path(p).name[-24:]})"
+            m = [r for r in m if r["test_acc"] is not None]
             curves[label] = ([r["round"] for r in m], [r["test_acc"] for r in m])
         plot_curves(curves, plot, title="test accuracy")
     text = _table(cols, rows, fmt)

@@ -170,7 +170,8 @@ def run_sweep(
     from fedfeat.runs import train as run_train
 
     paths: list[Path] = []
-    with session() as s:
+    outer = active()
+    with contextlib.nullcontext(outer) if outer is not None else session() as s:
         cfgs = []
         for settings, params in points:
             method = settings.get("method", DEFAULTS["method"])

@@ -395,3 +395,39 @@ def test_cpu_blocks_give_the_one_batch_result_and_gradient(tower, monkeypatch):
     torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(ga, gb, atol=1e-4 * float(ga.abs().max()), rtol=1e-4)  # float32 sums reordered
     assert float(ga.abs().max()) > 0.1
+
+
+@pytest.mark.parametrize("pseudo", ["fpl", "cpl"])
+def test_unsupervised_promptfl_never_sees_labels_and_batched_equals_loop(store, live, pseudo):
+    data = run_data(store, live)
+    sets = FAST | {"pseudo": pseudo, "pseudo_k": "3", "conf_quantile": "50", "regular_threshold": "0.5"}
+    m = get_method("promptfl", sets)
+    assert m.uses_labels is False
+    runs = {e: run_federated(get_method("promptfl", sets), data, rounds=2, participation=1.0, seed=1, engine=e)
+            for e in ("batched", "loop")}  # fmt: skip
+    (gb, mb), (gl, ml) = runs["batched"], runs["loop"]
+    torch.testing.assert_close(gb["ctx"], gl["ctx"], atol=1e-5, rtol=1e-5)
+    last = mb[-1]
+    assert 0 <= last["pseudo_label_acc"] <= 100 and last["pseudo_label_acc"] == ml[-1]["pseudo_label_acc"]
+    # at most pseudo_k rows per (client, class): 4 clients x 10 classes x 3
+    assert 0 < last["pseudo_samples"] <= 4 * 10 * 3
+    if pseudo == "cpl":
+        assert last["pseudo_set_size"] >= 1
+
+
+def test_unsupervised_promptfl_trains_on_exactly_the_fpl_rows(store, live):
+    """The clients' training rows after setup are FPL's selection of the zero-shot probabilities."""
+    from fedfeat import pseudolabel as pl
+    from fedfeat.engine import build_context
+
+    data = run_data(store, live)
+    m = get_method("promptfl", FAST | {"pseudo": "fpl", "pseudo_k": "2"})
+    ctx = build_context(data, m, 0, torch.device("cpu"))
+    assert ctx.labels is None
+    feats0, seg0 = ctx.feats.clone(), ctx.offsets.clone()
+    m.setup(ctx)
+    probs = torch.softmax(ctx.clip_logit_scale * feats0 @ ctx.text.T, -1)
+    rows, y = pl.fpl_select(probs, seg0, k=2)
+    assert torch.equal(ctx.state["pseudo_rows"], rows) and torch.equal(ctx.state["pseudo_labels"], y)
+    assert torch.equal(ctx.feats, feats0[rows])
+    assert int(ctx.offsets[-1]) == len(rows) and torch.all(ctx.offsets.diff() <= 2 * 10)

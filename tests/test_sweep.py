@@ -115,3 +115,26 @@ def test_bad_grid_file_is_a_one_line_error(tmp_path):
     bad.write_text("[grids]\nmethod = ['fedavg']\n")
     r = runner.invoke(app, ["sweep", "--grid", str(bad)])
     assert r.exit_code == 2 and "unknown tables ['grids']" in r.output
+
+
+def test_eval_every_evaluates_round_0_every_nth_and_the_last(store, tmp_path):
+    base = ["train", "--store", str(store), "--method", "fedavg", "--clients", "10", "--participation", "0.5",
+            "--rounds", "5", "--quiet"]  # fmt: skip
+    r = runner.invoke(app, [*base, "--eval-every", "3", "--out", str(tmp_path / "e")])
+    assert r.exit_code == 0, r.output
+    (run,) = [p for p in (tmp_path / "e").iterdir() if not p.name.startswith(".")]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["round"] for x in rows if x["test_acc"] is not None] == [0, 3, 5]
+    assert all(x["train_loss"] is not None for x in rows[1:])
+    assert runner.invoke(app, [*base, "--out", str(tmp_path / "f")]).exit_code == 0
+    (frun,) = [p for p in (tmp_path / "f").iterdir() if not p.name.startswith(".")]
+    frows = [json.loads(x) for x in (frun / "metrics.jsonl").read_text().splitlines()]
+    assert [x["test_acc"] for x in frows if x["round"] in (0, 3, 5)] == [
+        x["test_acc"] for x in rows if x["test_acc"] is not None
+    ]
+    assert [x["train_loss"] for x in frows] == [x["train_loss"] for x in rows]  # training is unchanged
+    s = json.loads((run / "summary.json").read_text())
+    assert s["best_acc"] == max(x["test_acc"] for x in rows if x["test_acc"] is not None)
+    assert s["best_round"] in (0, 3, 5)
+    bad = runner.invoke(app, [*base, "--eval-every", "0", "--out", str(tmp_path / "b")])
+    assert bad.exit_code == 2 and "--eval-every must be >= 1" in bad.output

@@ -100,6 +100,36 @@ class PromptFLParams(PromptParams):
             raise FedfeatError(f"pseudo_k must be >= 1, got {self.pseudo_k}; e.g. --set pseudo_k=16")
 
 
+def pseudo_label(ctx: Context, how: str, p) -> None:
+    """Replace the clients' training sets by their pseudo-labelled selections (``fedfeat.pseudolabel``): zero-shot
+    probabilities ``softmax(logit_scale · cos(x, t_k))`` with the store's first template, per client; ``ctx.feats``
+    and ``ctx.offsets`` become the kept rows (client-major), ``ctx.state`` gets their labels or candidate sets and
+    their positions in the original order (``pseudo_rows``, for the pseudo-label accuracy)."""
+    from fedfeat import pseudolabel as pl
+
+    with torch.no_grad():
+        text = ctx.text.to(ctx.feats.dtype)
+        probs = torch.cat(
+            [
+                torch.softmax(ctx.clip_logit_scale * F.normalize(x, dim=-1) @ text.T, -1)
+                for x in ctx.feats.split(8192)
+            ]
+        )  # [N, K]
+    seg = ctx.offsets
+    if how == "fpl":
+        rows, labels = pl.fpl_select(probs, seg, k=p.pseudo_k)
+        ctx.state["pseudo_labels"] = labels
+    else:
+        cand = pl.cpl_candidates(probs, p.conf_quantile, p.regular_threshold, seg)
+        rows = pl.cpl_select(cand, probs, seg, k=p.pseudo_k)
+        ctx.state["pseudo_candidates"] = cand[rows]
+    owner = torch.repeat_interleave(torch.arange(len(seg) - 1), seg.diff())
+    counts = torch.bincount(owner[rows.cpu()], minlength=len(seg) - 1)
+    ctx.offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)])
+    ctx.feats = ctx.feats[rows.to(ctx.feats.device)]
+    ctx.state["pseudo_rows"] = rows
+
+
 def round_lr(p, rnd: int, rounds: int) -> float:
     """The round's learning rate: ``warmup_lr`` for the first ``warmup_rounds`` rounds, then ``lr`` or its cosine
     decay ``lr · (1 + cos(π t / T)) / 2`` over the remaining rounds (Dassl's ``CosineAnnealingLR``, ``eta_min`` 0,
@@ -167,9 +197,7 @@ class PromptFL(PromptMethod):
     def setup(self, ctx: Context) -> None:
         super().setup(ctx)
         if self.pseudo != "none":
-            from fedfeat.pseudolabel import apply_pseudo_labels
-
-            apply_pseudo_labels(ctx, self.p)
+            pseudo_label(ctx, self.pseudo, self.p)
 
     def init_global(self, ctx: Context) -> dict[str, torch.Tensor]:
         p = self.p
@@ -182,7 +210,8 @@ class PromptFL(PromptMethod):
         if self.pseudo == "cpl":
             from fedfeat.pseudolabel import cc_loss
 
-            loss = cc_loss(logits, ctx.state["pseudo_candidates"][batch.pos])  # [n, B]
+            cand = ctx.state["pseudo_candidates"][batch.pos] | ~batch.mask.unsqueeze(-1)  # padding: any set
+            loss = cc_loss(logits, cand)  # [n, B]
         else:
             y = batch.y if self.pseudo == "none" else ctx.state["pseudo_labels"][batch.pos]
             loss = F.cross_entropy(logits.reshape(n * B, K), y.reshape(-1), reduction="none").view(n, B)
