@@ -48,6 +48,7 @@ def main() -> None:
             "bench_checkpoint.py",
             "bench_openvocab.py",
             "bench_prompt.py",
+            "bench_round.py",
         ):
             path = ROOT / "bench" / script
             if path.exists():

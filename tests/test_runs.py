@@ -345,8 +345,16 @@ def test_seed_table_groups_runs_that_differ_only_in_seed():
     )
     lines = text.splitlines()
     assert len(lines) == 4  # header, rule, two groups
-    assert "| fedavg | - | p | 2 | 3 | 0,1,2 | 74.00 ± 4.00 |" in lines[2]  # sample std of 70, 74, 78
-    assert "| fedavg | lr=0.1 | p | 2 | 1 | 0 | 50.00 |" in lines[3]
+    assert "| fedavg | - |  | p | 2 | 3 | 0,1,2 | 74.00 ± 4.00 |" in lines[2]  # sample std of 70, 74, 78
+    assert "| fedavg | lr=0.1 |  | p | 2 | 1 | 0 | 50.00 |" in lines[3]
+    groups = json.loads(
+        seed_table([s("fedavg", 0, 70.0), s("fedavg", 1, 74.0), s("fedavg", 2, 78.0)], "json")
+    )
+    assert groups[0]["metrics"]["final_acc"] == {"mean": 74.0, "std": 4.0, "n": 3} and groups[0]["seeds"] == [
+        0,
+        1,
+        2,
+    ]
 
 
 def _wait_rows(path: Path, n: int, proc, timeout: float = 60.0) -> None:

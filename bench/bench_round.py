@@ -1,0 +1,78 @@
+"""The round beyond training: how much of a FedAvg round at 100 clients x 10 % participation is not local training
+(evaluation, aggregation's bookkeeping, metrics), with every-round evaluation and with ``--eval-every 10``.
+
+    python bench/bench_round.py        # ~1 min on 2 CPU cores; writes bench/results/round.md
+
+Setting: the default synthetic CIFAR-10 store under RN50 (50,000 x 1024 train, 10,000 x 1024 test; built if
+missing), ``fedfeat train --method fedavg`` defaults (Dirichlet alpha 0.1, 100 clients, 10 %, batch 50, one local
+epoch: ~5,000 samples a round), fused CPU kernel. ``train`` is ``train_seconds`` of a round's metrics row (local
+updates, aggregation, server step); ``round`` its ``seconds`` (+ the test evaluation and the row's bookkeeping).
+Means over rounds 2..R of ``--repeats`` processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import machine, write_table  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--store", default=str(ROOT / "cache" / "synth-cifar10.zarr"))
+    ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "round.md"))
+    args = ap.parse_args()
+    from fedfeat.store import is_store
+
+    if not is_store(args.store):
+        subprocess.run([sys.executable, "-m", "fedfeat", "synth", "--out", args.store], check=True, cwd=ROOT)
+    lines = [
+        "## The round beyond training (FedAvg, 100 clients x 10 %)",
+        "",
+        f"Machine: {machine()}. Command: `python bench/bench_round.py` (default synthetic CIFAR-10 store, fedavg "
+        f"defaults, fused kernel; means of rounds 2..{args.rounds} over {args.repeats} processes).",
+        "",
+        "| evaluation | train ms / round | round ms / round | not training |",
+        "|---|---|---|---|",
+    ]
+    for every in (1, 10):
+        train, rnd = [], []
+        for _ in range(args.repeats):
+            with tempfile.TemporaryDirectory() as tmp:
+                cmd = [sys.executable, "-m", "fedfeat", "train", "--method", "fedavg", "--store", args.store,
+                       "--rounds", str(args.rounds), "--eval-every", str(every), "--out", tmp, "--quiet"]  # fmt: skip
+                subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True)
+                (run,) = [p for p in Path(tmp).iterdir() if not p.name.startswith(".")]
+                rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][2:]
+                train += [r["train_seconds"] for r in rows]
+                rnd += [r["seconds"] for r in rows]
+        t, r = statistics.mean(train), statistics.mean(rnd)  # means: evaluated and plain rounds alike
+        label = "every round" if every == 1 else f"every {every}th round (`--eval-every {every}`)"
+        lines.append(f"| {label} | {1e3 * t:.2f} | {1e3 * r:.2f} | {100 * (1 - t / r):.0f} % |")
+        print(lines[-1], flush=True)
+    lines += [
+        "",
+        "The evaluation is one product of the 10,000 x 1024 test features with the [10, 1024] head. Two designs were "
+        "measured: class-major logits `W @ X^T` on a cached transposed test set (adopted: 9.6 -> 6.0 ms on one "
+        "thread) and the product on both threads (slower here: 11.7 ms, the OpenMP hand-off costs more than it "
+        "saves at this size). It stops near the memory floor: the 41 MB of float32 test features are read once per "
+        "evaluation, ~4 ms at the ~10 GB/s one thread draws on this machine, against ~5 ms of training for 5,000 "
+        "samples. Every-round evaluation therefore stays above the 25 % goal at this shape; `--eval-every N` is the "
+        "remedy for long runs (and `fedfeat reproduce` evaluates only at rounds 0 and last).",
+        "",
+    ]
+    write_table(Path(args.out), lines)
+
+
+if __name__ == "__main__":
+    main()
