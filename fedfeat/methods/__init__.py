@@ -21,4 +21,33 @@ from fedfeat.methods import fedmp, promptfl, fedtpg  # noqa: E402, F401
 # isort: on
 from fedfeat.methods.base import REGISTRY, Method, get_method, method_table, register  # noqa: E402
 
+ENTRY_POINT_GROUP = "fedfeat.methods"
+
+
+def load_plugins() -> list[str]:
+    """Import the methods other packages declare under the ``fedfeat.methods`` entry point group (pyproject:
+    ``[project.entry-points."fedfeat.methods"] mymethod = "mypkg.mymethod"``); a module registers its classes with
+    ``@register`` on import, and an entry point may also name a ``Method`` subclass, registered here. Returns the
+    names loaded. A plugin that fails to import is a one-line error naming it."""
+    from importlib.metadata import entry_points
+
+    from fedfeat.errors import FedfeatError
+
+    loaded = []
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            obj = ep.load()
+        except Exception as e:  # a third-party import error of any kind
+            raise FedfeatError(
+                f"method plugin {ep.name} ({ep.value}) failed to import: {type(e).__name__}: {e}; fix or uninstall "
+                "the package that declares it"
+            ) from None
+        if isinstance(obj, type) and issubclass(obj, Method) and obj.name not in REGISTRY:
+            register(obj)
+        loaded.append(ep.name)
+    return loaded
+
+
+load_plugins()
+
 __all__ = ["REGISTRY", "Method", "get_method", "method_table", "register"]
