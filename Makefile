@@ -46,15 +46,11 @@ synth: install ## build the synthetic CIFAR-10-shaped store at $(STORE) if missi
 	$(PY) -m fedfeat synth --out $(STORE)
 
 DEMO_RUNS ?= runs/demo
-DEMO_PARTITIONS := "--partition dirichlet --alpha 0.1" "--partition shard --shards 2"
-DEMO_METHODS := "zeroshot" "fedavg" "fedntd" "fst-cbdg" "fst-cbdg --set self_training=false" "fst-cbdg --set sampling=false"
 
-demo: synth ## the main job on the built-in default: synthetic store, FST-CBDG vs baselines, report table
+demo: synth ## the main job on the built-in default: synthetic store, FST-CBDG vs baselines x 5 seeds, mean ± std table
 	@rm -rf $(DEMO_RUNS)
-	@for part in $(DEMO_PARTITIONS); do for m in $(DEMO_METHODS); do \
-	  $(PY) -m fedfeat train --store $(STORE) --method $$m $$part --clients 100 --participation 0.1 \
-	    --rounds 10 --seed 0 --out $(DEMO_RUNS) || exit 1; done; done
-	$(PY) -m fedfeat report $(DEMO_RUNS) --plot $(DEMO_RUNS)/curves.png | tee $(DEMO_RUNS)/table.md
+	$(PY) -m fedfeat sweep --grid configs/demo.toml --store $(STORE) --out $(DEMO_RUNS) --quiet > /dev/null
+	$(PY) -m fedfeat report $(DEMO_RUNS) --seeds --plot $(DEMO_RUNS)/curves.png | tee $(DEMO_RUNS)/table.md
 
 bench: install ## run bench/ and write BENCHMARKS.md
 	$(PY) bench/run_all.py

@@ -83,17 +83,32 @@ def _as_list(key: str, v) -> list:
 def expand(grid: dict | None = None, params: dict | None = None, cells: list[dict] | None = None,
            fixed: dict | None = None, fixed_params: dict | None = None) -> list[tuple[dict, dict]]:  # fmt: skip
     """The grid's points as ``(settings, params)`` pairs, in a deterministic order: cells outermost, then the
-    grid's keys in the order given, then its params."""
-    grid, params, cells = dict(grid or {}), dict(params or {}), list(cells or [{}])
+    grid's keys in the order given, then its params.
+
+    ``cells`` is a list of tables (settings that vary together; a cell's ``params`` table adds hyperparameters), or
+    a dict of such lists (``[[cells.methods]]``, ``[[cells.partitions]]``), which are crossed."""
+    grid, params = dict(grid or {}), dict(params or {})
+    axes = list(cells.values()) if isinstance(cells, dict) else [cells or [{}]]
+    combos = []
+    for parts in itertools.product(*axes):
+        merged: dict = {}
+        for cell in parts:
+            if not isinstance(cell, dict):
+                raise FedfeatError(
+                    'each [[cells]] entry must be a table of settings, e.g. partition = "shard"'
+                )
+            cp = {**merged.get("params", {}), **cell.get("params", {})}
+            merged = {**merged, **cell, "params": cp}
+        combos.append(merged)
     keys, pkeys = list(grid), list(params)
     out = []
-    for cell in cells:
-        if not isinstance(cell, dict):
-            raise FedfeatError('each [[cells]] entry must be a table of settings, e.g. partition = "shard"')
+    for cell in combos:
+        cell = dict(cell)
+        cell_params = cell.pop("params", {})
         for vals in itertools.product(*(_as_list(k, grid[k]) for k in keys)):
             for pvals in itertools.product(*(_as_list(k, params[k]) for k in pkeys)):
                 settings = {**(fixed or {}), **cell, **dict(zip(keys, vals))}
-                out.append((settings, {**(fixed_params or {}), **dict(zip(pkeys, pvals))}))
+                out.append((settings, {**(fixed_params or {}), **cell_params, **dict(zip(pkeys, pvals))}))
     return out
 
 

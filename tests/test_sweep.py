@@ -138,3 +138,21 @@ def test_eval_every_evaluates_round_0_every_nth_and_the_last(store, tmp_path):
     assert s["best_round"] in (0, 3, 5)
     bad = runner.invoke(app, [*base, "--eval-every", "0", "--out", str(tmp_path / "b")])
     assert bad.exit_code == 2 and "--eval-every must be >= 1" in bad.output
+
+
+def test_crossed_cell_axes_with_cell_params():
+    pts = sw.expand(
+        grid={"seed": [0, 1]},
+        cells={
+            "partitions": [{"partition": "iid"}, {"partition": "shard", "shards": 2}],
+            "methods": [{"method": "fedavg"}, {"method": "fst-cbdg", "params": {"sampling": False}}],
+        },  # fmt: skip
+    )
+    assert len(pts) == 2 * 2 * 2
+    assert pts[2] == ({"partition": "iid", "method": "fst-cbdg", "seed": 0}, {"sampling": False})
+    assert pts[-1] == (
+        {"partition": "shard", "shards": 2, "method": "fst-cbdg", "seed": 1},
+        {"sampling": False},
+    )
+    demo = sw.expand(**sw.read_grid(Path(__file__).resolve().parents[1] / "configs" / "demo.toml"))
+    assert len(demo) == 2 * 6 * 5  # make demo: partitions x methods x seeds
