@@ -115,17 +115,16 @@ def pseudo_label(ctx: Context, how: str, p) -> None:
                 for x in ctx.feats.split(8192)
             ]
         )  # [N, K]
-    seg = ctx.offsets
+    params = {"k": p.pseudo_k}
+    if how == "cpl":
+        params |= {"conf_quantile": p.conf_quantile, "regular_threshold": p.regular_threshold}
+    sel = pl.make_pseudo_labeller(how, **params)(probs, ctx.offsets)  # a fedfeat.pseudolabel.Selection
+    rows = sel.rows
     if how == "fpl":
-        rows, labels = pl.fpl_select(probs, seg, k=p.pseudo_k)
-        ctx.state["pseudo_labels"] = labels
+        ctx.state["pseudo_labels"] = sel.labels
     else:
-        cand = pl.cpl_candidates(probs, p.conf_quantile, p.regular_threshold, seg)
-        rows = pl.cpl_select(cand, probs, seg, k=p.pseudo_k)
-        ctx.state["pseudo_candidates"] = cand[rows]
-    owner = torch.repeat_interleave(torch.arange(len(seg) - 1), seg.diff())
-    counts = torch.bincount(owner[rows.cpu()], minlength=len(seg) - 1)
-    ctx.offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)])
+        ctx.state["pseudo_candidates"] = sel.candidates
+    ctx.offsets = sel.offsets
     ctx.feats = ctx.feats[rows.to(ctx.feats.device)]
     ctx.state["pseudo_rows"] = rows
 
@@ -210,8 +209,7 @@ class PromptFL(PromptMethod):
         if self.pseudo == "cpl":
             from fedfeat.pseudolabel import cc_loss
 
-            cand = ctx.state["pseudo_candidates"][batch.pos] | ~batch.mask.unsqueeze(-1)  # padding: any set
-            loss = cc_loss(logits, cand)  # [n, B]
+            loss = cc_loss(logits, ctx.state["pseudo_candidates"][batch.pos], batch.mask)  # [n, B]
         else:
             y = batch.y if self.pseudo == "none" else ctx.state["pseudo_labels"][batch.pos]
             loss = F.cross_entropy(logits.reshape(n * B, K), y.reshape(-1), reduction="none").view(n, B)
