@@ -152,9 +152,9 @@ def segment_quantile(values: torch.Tensor, seg: torch.Tensor, q: float) -> torch
     values' dtype as torch does) for all clients at once: ``values  # [N, C]`` -> ``[clients, C]`` (NaN for a
     client with no rows). One sort per column, no loop over clients, and no ``torch.quantile`` size limit."""
     owner = _owner(seg, values.device)
-    v, i = values.sort(0)  # [N, C] ascending per column
-    j = torch.argsort(owner[i], dim=0, stable=True)  # regroup client-major, still ascending inside a client
-    v = v.gather(0, j)
+    v, i = values.T.contiguous().sort(1)  # [C, N] ascending per column (rows contiguous: faster than dim 0)
+    j = torch.argsort(owner[i], dim=1, stable=True)  # regroup client-major, still ascending inside a client
+    v = v.gather(1, j).T  # [N, C]
     n = seg.diff().to(values.device)  # [G]
     ranks = torch.tensor(q, dtype=values.dtype, device=values.device) * (n - 1).clamp(min=0).to(values.dtype)
     lo, hi = ranks.long(), ranks.ceil().long()
