@@ -91,8 +91,10 @@ class PromptParams:
 class PromptFLParams(PromptParams):
     pseudo: Literal["none", "fpl", "cpl"] = "none"  # none: labelled PromptFL; fpl / cpl: unsupervised
     pseudo_k: int = 16  # FPL / CPL N_PSEUDOSHOTS: pseudo-labelled samples kept per class (per client here)
-    conf_quantile: float = 75.0  # CPL CONF_QUANTILE (per dataset in fedfeat.pseudolabel.CPL_DEFAULTS)
-    regular_threshold: float = 0.95  # CPL REGULAR_THRESHOLD (per dataset)
+    conf_quantile: float = (
+        60.0  # CPL CONF_QUANTILE: textual_fpl_config_PLL.yml (per dataset: pseudolabel.CPL_DEFAULTS)
+    )
+    regular_threshold: float = 0.90  # CPL REGULAR_THRESHOLD: the same yml (per dataset: CPL_DEFAULTS)
 
     def validate(self) -> None:
         super().validate()
