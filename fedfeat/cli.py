@@ -114,7 +114,8 @@ def info(
 def partition(
     store: Path = typer.Argument(..., help="Store directory whose split is partitioned."),
     scheme: str = typer.Option(
-        "dirichlet", help="iid | shard | dirichlet | dirichlet-equal | disjoint-classes."
+        "dirichlet",
+        help="iid | shard | dirichlet | dirichlet-equal | disjoint-classes | dirichlet-joint (FedCoPL).",
     ),
     clients: int = typer.Option(100, help="Number of clients."),
     alpha: Optional[float] = typer.Option(

@@ -31,7 +31,7 @@ def register(app: typer.Typer) -> None:
         ),
         partition_seed: Optional[int] = typer.Option(
             None,
-            help="Partition seed (default FedNTD's 19940817, or CLIP2FL's 7 for dirichlet-equal/longtail).",
+            help="Partition seed (default FedNTD's 19940817; CLIP2FL's 7 for dirichlet-equal/longtail; FedCoPL's 2 for dirichlet-joint).",
         ),
         preset: Optional[str] = typer.Option(
             None,
@@ -59,8 +59,9 @@ def register(app: typer.Typer) -> None:
         ),
         local_test: Optional[str] = typer.Option(
             None,
-            help="none (default) or proportional: split the test set among the clients in proportion to their "
-            "training class counts and report local_acc, the mean of per-client accuracies (FedCoPL's metric).",
+            help="none (default); proportional: split the test set among the clients in proportion to their "
+            "training class counts; joint: the test split drawn with --partition dirichlet-joint (FedCoPL). Reports "
+            "local_acc, the mean of per-client accuracies (FedCoPL's metric).",
         ),
         clients: Optional[int] = typer.Option(None, help="Number of clients. Default 100."),
         participation: Optional[float] = typer.Option(

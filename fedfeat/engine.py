@@ -681,7 +681,16 @@ def load_run_data(
                 + ("is open-vocabulary (disjoint-classes)" if ov is not None else "has no test split")
                 + ": drop --local-test"
             )
-        split = local_test_split(partition, labels, ty_np[keep], K, seed=query_seed)
+        if local_test == "joint":  # the test positions drawn with the train split (dirichlet-joint, FedCoPL)
+            tc = partition.params.get("test_clients")
+            if tc is None:
+                raise FedfeatError(
+                    "--local-test joint takes the test split drawn with the partition: use --partition "
+                    "dirichlet-joint (FedCoPL), or --local-test proportional for another partition"
+                )
+            split = [np.asarray(t, dtype=np.int64) for t in tc]
+        else:
+            split = local_test_split(partition, labels, ty_np[keep], K, seed=query_seed)
         lt = [torch.from_numpy(r) for r in split]
     return RunData(
         train_x=x,

@@ -77,9 +77,17 @@ __all__ = [
     "to_json",
 ]
 
-SCHEMES: tuple[str, ...] = ("iid", "shard", "dirichlet", "dirichlet-equal", "disjoint-classes")
+SCHEMES: tuple[str, ...] = (
+    "iid",
+    "shard",
+    "dirichlet",
+    "dirichlet-equal",
+    "disjoint-classes",
+    "dirichlet-joint",
+)
 FEDNTD_SEED = 19940817  # FedNTD main.py: np.random.seed(19940817); random.seed(19940817)
 CLIP2FL_SEED = 7  # CLIP2FL main.py: np.random.seed(7); options.py --seed 7
+FEDCOPL_SEED = 2  # FedCoPL run-textPT_ALL.sh: OPTIM_SEED 2 seeds the global np.random before the split
 FEDMP_SEED = 0  # Fed-MP: np.random.seed(i + 1) for client i (Caltech, Food, Flowers) = FEDMP_SEED + i + 1
 
 _MAX_DRAWS = 10_000  # the references loop forever when no draw succeeds; fedfeat gives up with an error
@@ -386,6 +394,67 @@ def dirichlet(
     return clients
 
 
+def dirichlet_joint(
+    labels,
+    test_labels,
+    n_clients: int,
+    beta: float,
+    seed: int = FEDCOPL_SEED,
+    n_classes: int | None = None,
+    min_size: int = 10,
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """FedCoPL's split of the train **and** test sets (``krumpguo/FedCoPL`` ``methods/main_UL.py``
+    ``prepare_dataset_UL_fed``, ``partition == "noniid"``, lines 218-250): for each class ``k`` in turn, its train and
+    test positions (dataset order) are shuffled (train first), one ``p ~ Dir(beta * 1)`` is drawn, and each split is
+    cut at ``cumsum(p')`` where ``p'`` zeroes the clients already holding ``>= N / clients`` of *that* split (its
+    own cap) and is renormalised; the whole draw repeats until every client holds ``>= min_size`` (10) train
+    samples; finally each client's train list, then its test list, is shuffled (client by client). The reference
+    draws from the global ``np.random`` seeded with ``OPTIM_SEED``; here a private ``RandomState(seed)`` (the same
+    stream). Returns ``(train clients, test clients)``; no minimum on the test side, as the reference."""
+    labels, test_labels = _labels(labels), _labels(test_labels)
+    n, nt = len(labels), len(test_labels)
+    n_clients = _clients(n_clients, n)
+    beta = _alpha(beta)
+    K = _n_classes(labels, n_classes)
+    rs = np.random.RandomState(_seed(seed))
+    by_class = [np.flatnonzero(labels == k) for k in range(K)]
+    by_class_t = [np.flatnonzero(test_labels == k) for k in range(K)]
+    for _ in range(_MAX_DRAWS):
+        batch: list[list[int]] = [[] for _ in range(n_clients)]
+        batch_t: list[list[int]] = [[] for _ in range(n_clients)]
+        for k in range(K):
+            idx_k, idx_t = by_class[k].copy(), by_class_t[k].copy()
+            rs.shuffle(idx_k)
+            rs.shuffle(idx_t)
+            p = rs.dirichlet(np.repeat(beta, n_clients))
+            held = np.array([len(b) for b in batch])
+            held_t = np.array([len(b) for b in batch_t])
+            with np.errstate(divide="ignore", invalid="ignore"):
+                pt = p * (held < n / n_clients)
+                pt = pt / pt.sum()
+                ps = p * (held_t < nt / n_clients)
+                ps = ps / ps.sum()
+            cut = (np.cumsum(pt) * len(idx_k)).astype(int)[:-1]
+            cut_t = (np.cumsum(ps) * len(idx_t)).astype(int)[:-1]
+            batch = [b + piece.tolist() for b, piece in zip(batch, np.split(idx_k, cut))]
+            batch_t = [b + piece.tolist() for b, piece in zip(batch_t, np.split(idx_t, cut_t))]
+        if min(len(b) for b in batch) >= min_size:
+            break
+    else:
+        raise FedfeatError(
+            f"dirichlet-joint: no draw in {_MAX_DRAWS} gave all {n_clients} clients >= {min_size} train samples at "
+            f"alpha={beta}; use fewer clients or a larger alpha"
+        )
+    train, test = [], []
+    for j in range(n_clients):
+        a, b = np.asarray(batch[j], dtype=np.int64), np.asarray(batch_t[j], dtype=np.int64)
+        rs.shuffle(a)
+        rs.shuffle(b)
+        train.append(a)
+        test.append(b)
+    return train, test
+
+
 def _chunks(n: int, n_clients: int) -> list[tuple[int, int, int]]:
     """CLIP2FL's chunks of the shuffled list: (start, stop, workers); 10 workers each, the rest in the last."""
     n_chunks = math.ceil(n_clients / _AUX_WORKERS)
@@ -573,6 +642,8 @@ def default_seed(scheme: str, imbalance_factor: float | None = None) -> int:
         return CLIP2FL_SEED
     if scheme == "disjoint-classes":
         return FEDMP_SEED
+    if scheme == "dirichlet-joint":
+        return FEDCOPL_SEED
     return FEDNTD_SEED
 
 
@@ -582,6 +653,7 @@ _USES = {  # which optional parameters each scheme takes
     "dirichlet": ("alpha",),
     "dirichlet-equal": ("alpha",),
     "disjoint-classes": ("shots",),
+    "dirichlet-joint": ("alpha",),
 }
 
 
@@ -596,8 +668,12 @@ def make_partition(
     seed: int | None = None,
     shots: int | None = None,
     n_classes: int | None = None,
+    test_labels=None,
 ) -> Partition:
     """Partition a split by name; the one entry point the CLI and the store use.
+
+    ``dirichlet-joint`` (FedCoPL) partitions the test split with the same draws: pass its labels as
+    ``test_labels``; the clients' test positions are ``params["test_clients"]``.
 
     With ``imbalance_factor``, the split is first cut to CLIP2FL's long tail (``longtail``) and the scheme
     runs on the kept samples, in ``longtail``'s order (class-major, shuffled within a class: what CLIP2FL feeds
@@ -625,8 +701,13 @@ def make_partition(
             raise FedfeatError(
                 f"{name} does not apply to scheme {scheme!r}; drop {name} or pick a scheme that uses it"
             )
-    if scheme in ("dirichlet", "dirichlet-equal") and alpha is None:
+    if scheme in ("dirichlet", "dirichlet-equal", "dirichlet-joint") and alpha is None:
         raise FedfeatError(f"scheme {scheme!r} needs alpha; pass e.g. alpha=0.5 (smaller = more skewed)")
+    if scheme == "dirichlet-joint" and (test_labels is None or imbalance_factor is not None):
+        raise FedfeatError(
+            "scheme 'dirichlet-joint' partitions the train and test splits together: it needs the test labels "
+            "(a store with a test split) and no imbalance factor"
+        )
     if scheme == "disjoint-classes" and shots is None:
         raise FedfeatError("scheme 'disjoint-classes' needs shots; pass the samples per class, e.g. shots=10")
     n_cls = _n_classes(labels, n_classes)
@@ -649,6 +730,9 @@ def make_partition(
         parts = dirichlet(sub, clients, alpha, seed)
     elif scheme == "dirichlet-equal":
         parts = dirichlet_equal(sub, clients, alpha, seed, n_classes=n_cls)
+    elif scheme == "dirichlet-joint":
+        parts, tparts = dirichlet_joint(sub, _labels(test_labels), clients, alpha, seed, n_classes=n_cls)
+        extra["test_clients"] = [t.tolist() for t in tparts]
     else:
         parts, novel = disjoint_classes(sub, clients, shots, seed, n_classes=n_cls)
         extra["novel_classes"] = novel.tolist()
@@ -732,7 +816,7 @@ def from_json(path) -> Partition:
         ) from None
 
 
-LOCAL_TEST = ("none", "proportional")
+LOCAL_TEST = ("none", "proportional", "joint")
 
 
 def local_test_split(partition: Partition, train_labels, test_labels, n_classes: int, seed: int = 0) -> list:

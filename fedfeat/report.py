@@ -97,6 +97,16 @@ def print_store_info(path: str | Path, *, as_json: bool = False, verify: bool = 
         con.print("partitions: none stored (make one with `fedfeat partition`)")
 
 
+def _test_labels(st: FeatureStore) -> np.ndarray:
+    """The valid rows' labels of the store's test split (dirichlet-joint partitions it with the train split)."""
+    if "test" not in st.splits:
+        raise FedfeatError(
+            f"store {st.path} has no test split; dirichlet-joint partitions train and test together"
+        )
+    lab = st.labels("test")
+    return lab[lab >= 0]
+
+
 def store_partition(
     st: FeatureStore,
     *,
@@ -118,8 +128,8 @@ def store_partition(
 
     if scheme not in P.SCHEMES:
         raise FedfeatError(f"unknown partition scheme '{scheme}'; choose one of: {', '.join(P.SCHEMES)}")
-    if scheme in ("dirichlet", "dirichlet-equal") and alpha is None:
-        alpha = 0.1 if scheme == "dirichlet" else 0.5
+    if scheme in ("dirichlet", "dirichlet-equal", "dirichlet-joint") and alpha is None:
+        alpha = 0.5 if scheme == "dirichlet-equal" else 0.1
     if scheme == "shard" and shards is None:
         shards = 2
     if scheme == "disjoint-classes" and shots is None:
@@ -136,6 +146,7 @@ def store_partition(
         seed=seed,
         shots=shots,
         n_classes=st.n_classes,
+        test_labels=_test_labels(st) if scheme == "dirichlet-joint" else None,
     )
     if len(valid) != len(labels):  # map positions among valid rows back to split rows
         part = P.Partition(part.scheme, part.params, [valid[c] for c in part.clients])

@@ -111,9 +111,7 @@ class RunConfig:
         None  # a dataset preset (fedfeat.openvocab.PRESETS): its settings, its class count checked
     )
     eval_every: int = DEFAULTS["eval_every"]  # evaluate at round 0, every N-th round and the last
-    local_test: str | None = (
-        None  # none | proportional: per-client local test splits (FedCoPL's local accuracy)
-    )
+    local_test: str | None = None  # none | proportional | joint: per-client test splits (FedCoPL)
     pretrained: str | None = (
         None  # prompt methods: where the store's checkpoint is (default: where encode read it)
     )

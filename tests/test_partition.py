@@ -492,3 +492,70 @@ def test_local_test_split_follows_train_proportions_by_hand():
     assert all(np.array_equal(a, b) for a, b in zip(got, again))  # seeded
     other = P.local_test_split(part, train, test, 4, seed=1)
     assert any(not np.array_equal(a, b) for a, b in zip(got, other))  # the seed picks which test samples
+
+
+def _fedcopl_reference(train_lbs, test_lbs, n_parties, beta, seed):
+    """FedCoPL methods/main_UL.py prepare_dataset_UL_fed, partition == "noniid", transcribed (global np.random)."""
+    np.random.seed(seed)
+    K = int(max(train_lbs)) + 1
+    N, N_test = len(train_lbs), len(test_lbs)
+    min_size, min_require_size = 0, 10
+    while min_size < min_require_size:
+        idx_batch = [[] for _ in range(n_parties)]
+        idx_batch_test = [[] for _ in range(n_parties)]
+        for k in range(K):
+            idx_k = [idx for idx, value in enumerate(train_lbs) if value == k]
+            idx_k_test = [idx for idx, value in enumerate(test_lbs) if value == k]
+            np.random.shuffle(idx_k)
+            np.random.shuffle(idx_k_test)
+            proportions = np.random.dirichlet(np.repeat(beta, n_parties))
+            proportions_train = np.array(
+                [p * (len(idx_j) < N / n_parties) for p, idx_j in zip(proportions, idx_batch)]
+            )
+            proportions_test = np.array(
+                [p * (len(idx_j) < N_test / n_parties) for p, idx_j in zip(proportions, idx_batch_test)]
+            )
+            proportions_train = proportions_train / proportions_train.sum()
+            proportions_test = proportions_test / proportions_test.sum()
+            proportions_train = (np.cumsum(proportions_train) * len(idx_k)).astype(int)[:-1]
+            proportions_test = (np.cumsum(proportions_test) * len(idx_k_test)).astype(int)[:-1]
+            idx_batch = [
+                idx_j + idx.tolist() for idx_j, idx in zip(idx_batch, np.split(idx_k, proportions_train))
+            ]
+            idx_batch_test = [
+                idx_j + idx.tolist()
+                for idx_j, idx in zip(idx_batch_test, np.split(idx_k_test, proportions_test))
+            ]
+            min_size = min([len(idx_j) for idx_j in idx_batch])
+    out, out_t = [], []
+    for j in range(n_parties):
+        np.random.shuffle(idx_batch[j])
+        np.random.shuffle(idx_batch_test[j])
+        out.append(list(idx_batch[j]))
+        out_t.append(list(idx_batch_test[j]))
+    return out, out_t
+
+
+@pytest.mark.parametrize("seed, beta, parties", [(2, 0.1, 10), (1, 0.5, 5), (3, 0.1, 5)])
+def test_dirichlet_joint_is_fedcopls_split_bit_for_bit(seed, beta, parties):
+    rs = np.random.RandomState(100 + seed)
+    train = rs.randint(0, 10, 3000)
+    test = rs.randint(0, 10, 700)
+    state = np.random.get_state()
+    try:
+        want, want_t = _fedcopl_reference(train.tolist(), test.tolist(), parties, beta, seed)
+    finally:
+        np.random.set_state(state)
+    p = P.make_partition(train, "dirichlet-joint", clients=parties, alpha=beta, seed=seed, test_labels=test)
+    assert [c.tolist() for c in p.clients] == want
+    assert p.params["test_clients"] == want_t
+    assert P.partition_key(p) == f"dirichlet-joint-a{P._plain(beta)}-c{parties}-s{seed}"
+    # the test split follows the train proportions: same draw per class
+    tr = p.counts(train, 10) / np.maximum(p.counts(train, 10).sum(0), 1)
+    tc = np.array([np.bincount(test[t], minlength=10) for t in want_t])
+    assert np.corrcoef(tr.ravel(), (tc / np.maximum(tc.sum(0), 1)).ravel())[0, 1] > 0.9
+
+
+def test_dirichlet_joint_needs_test_labels():
+    with pytest.raises(FedfeatError, match="needs the test labels"):
+        P.make_partition(np.arange(100) % 10, "dirichlet-joint", clients=2, alpha=0.1)

@@ -489,3 +489,37 @@ def test_local_test_reports_the_mean_of_per_client_accuracies(store, tmp_path):
     assert "local acc" in rep.output
     bad = runner.invoke(app, args[:-2] + ["--local-test", "yes", "--name", "x"])
     assert bad.exit_code == 2 and "--local-test must be one of none, proportional" in bad.output
+
+
+def test_local_test_joint_uses_the_test_split_drawn_with_the_partition(store, tmp_path):
+    import numpy as np
+
+    from fedfeat.engine import load_run_data
+    from fedfeat.partition import make_partition
+    from fedfeat.store import FeatureStore
+
+    args = ["train", "--method", "zeroshot", "--store", str(store), "--clients", "4", "--partition",
+            "dirichlet-joint", "--alpha", "0.5", "--out", str(tmp_path), "--local-test", "joint", "--quiet"]  # fmt: skip
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    (run,) = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["partition"] == "dirichlet-joint-a0.5-c4-s2"
+    st = FeatureStore.open(store)
+    part = make_partition(
+        st.labels("train"), "dirichlet-joint", clients=4, alpha=0.5, test_labels=st.labels("test")
+    )
+    data = load_run_data(st, part, local_test="joint")
+    text = torch.nn.functional.normalize(data.text_all[0], dim=-1)
+    pred = (torch.nn.functional.normalize(data.test_x, dim=-1) @ text.T).argmax(1).numpy()
+    y = data.test_y.numpy()
+    want = np.mean(
+        [(pred[t] == y[t]).mean() * 100 for t in map(np.asarray, part.params["test_clients"]) if len(t)]
+    )
+    assert summary["local_acc"] == pytest.approx(want, abs=1e-9)
+    bad = runner.invoke(app, ["train", "--method", "zeroshot", "--store", str(store), "--clients", "4",
+                              "--local-test", "joint", "--out", str(tmp_path / "b"), "--quiet"])  # fmt: skip
+    assert (
+        bad.exit_code == 2
+        and "--local-test joint takes the test split drawn with the partition" in bad.output
+    )
