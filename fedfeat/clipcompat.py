@@ -613,6 +613,21 @@ def load_model(
     )
 
 
+def split_transform(transform: Callable) -> tuple[Callable, list[float], list[float]]:
+    """``(geometric, mean, std)`` of an open_clip eval transform ``Compose([..., ToTensor, Normalize])``: the PIL ->
+    PIL part (resize, centre crop, RGB) whose uint8 output ``encode --pixels`` stores, and the normalisation that
+    ``fedfeat.store.normalize_pixels`` applies later with the same arithmetic."""
+    from torchvision.transforms import Compose, Normalize, ToTensor
+
+    ts = list(getattr(transform, "transforms", []) or [])
+    if len(ts) < 2 or not isinstance(ts[-2], ToTensor) or not isinstance(ts[-1], Normalize):
+        raise FedfeatError(
+            "--pixels needs the model's eval transform to end in ToTensor + Normalize (open_clip's own); this "
+            f"model's is {transform_description(transform)}"
+        )
+    return Compose(ts[:-2]), [float(v) for v in ts[-1].mean], [float(v) for v in ts[-1].std]
+
+
 def transform_description(transform: Callable) -> str:
     """``repr`` of a transform without memory addresses (stable across processes)."""
     return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(transform))

@@ -144,6 +144,16 @@ def _init_dist(distributed: bool | None, device: str) -> tuple[_Dist, torch.devi
 
 
 # ---------------------------------------------------------------------------------------- data loading
+class _Pixels:
+    """PIL image -> ``[3, H, W]`` uint8 after the model's geometric transform (``encode --pixels``)."""
+
+    def __init__(self, geometric):
+        self.geometric = geometric
+
+    def __call__(self, img) -> torch.Tensor:
+        return torch.from_numpy(np.array(self.geometric(img), dtype=np.uint8, copy=True)).permute(2, 0, 1)
+
+
 class _Rows(torch.utils.data.Dataset):
     """Map-style dataset over ``(split, row)`` keys -> ``(image [3, H, W] or None, error message)``."""
 
@@ -159,9 +169,9 @@ class _Rows(torch.utils.data.Dataset):
             return None, str(e)
 
 
-def _collate(items, size: tuple[int, int]):
+def _collate(items, size: tuple[int, int], dtype=torch.float32):
     """Stack images (zeros for unreadable ones) -> ``([B, 3, H, W], [B] error messages)``."""
-    imgs = [x if x is not None else torch.zeros(3, *size) for x, _ in items]
+    imgs = [x if x is not None else torch.zeros(3, *size, dtype=dtype) for x, _ in items]
     return torch.stack(imgs), [e for _, e in items]
 
 
@@ -304,6 +314,7 @@ def encode(
     cache_dir: str | Path | None = None,
     probe_timeout: float = 5.0,
     autocast: bool = False,
+    pixels: bool = False,
     console=None,
     stats: dict | None = None,
 ) -> Path:
@@ -315,6 +326,9 @@ def encode(
     CPU, where decoding is ~1% of the model's time, and up to 8 per GPU). ``chunk_rows``: rows per feature
     chunk of a new store (default: 1 MiB chunks). ``distributed``: None = follow torchrun's environment.
     ``autocast``: run bf16/fp16 by autocast instead of casting the weights (see ``bench/bench_encode.py``).
+    ``pixels``: also keep every image as the model's uint8 input after its resize and centre crop (``[N, 3, H,
+    W]``, chunked and checksummed like the features; the features are computed from exactly those pixels,
+    normalised on the device) for the methods that re-encode images (``fedfeat.store.FeatureStore.pixels``).
     ``stats``: a dict to receive this rank's timings (``images``, ``image_seconds`` for reading, decoding,
     preprocessing, encoding and writing the chunks, ``model_seconds``, ``text_seconds``, ``total_seconds``).
 
@@ -369,6 +383,7 @@ def encode(
             "preprocessing": pp,
             "templates": tmpl,
             "precision": precision,
+            **({"pixels": True} if pixels else {}),
         }
         path = store_path(out, _dataset_name(dataset, root, name), bb.name, weights.label)
 
@@ -422,6 +437,7 @@ def encode(
                 },
                 sources=_sources(ds),
                 overwrite=action == "recreate",
+                pixels=_pixel_spec(clip) if pixels else None,
             )
         elif dist_ctx.rank == 0 and action == "refresh":
             # done entries cleared first, fingerprint last: a run killed in between redoes the same steps
@@ -510,6 +526,11 @@ def encode(
         dist_ctx.close()
 
 
+def _pixel_spec(clip) -> dict:
+    _, mean, std = clipcompat.split_transform(clip.transform)
+    return {"size": list(clip.input_size), "mean": mean, "std": std}
+
+
 def _workers(workers: int | None, dev: torch.device, dist_ctx: _Dist) -> int:
     if workers is not None:  # validated by encode() before anything is created
         return workers
@@ -530,11 +551,19 @@ def _encode_chunks(
             say(f"{rank_tag}no chunks to encode")
         return 0, 0.0
     batches = _batches(st, chunks, batch_size)
+    px_spec = st.attrs.get("pixels")
+    if (
+        px_spec is not None
+    ):  # uint8 model inputs from the loader; normalised on the device, stored as they are
+        geometric, _, _ = clipcompat.split_transform(clip.transform)
+        transform, dtype = _Pixels(geometric), torch.uint8
+    else:
+        transform, dtype = clip.transform, torch.float32
     loader = torch.utils.data.DataLoader(
-        _Rows(ds, clip.transform),
+        _Rows(ds, transform),
         batch_sampler=batches,
         num_workers=workers,
-        collate_fn=partial(_collate, size=clip.input_size),
+        collate_fn=partial(_collate, size=clip.input_size, dtype=dtype),
         pin_memory=clip.device.type == "cuda",
     )
     sleep = float(os.environ.get(_SLEEP_ENV, "0") or 0)
@@ -543,6 +572,7 @@ def _encode_chunks(
     split, ci = next(chunk_iter)
     sl = st.chunk_slice(split, ci)
     buf = np.zeros((sl.stop - sl.start, st.embed_dim), dtype=np.float32)  # [rows, D] of the current chunk
+    pbuf = _pixel_buffer(st, sl)  # [rows, 3, H, W] uint8 of the current chunk, or None
     filled = 0
     t0 = time.perf_counter()
     with _progress(progress, console) as bar:
@@ -551,6 +581,11 @@ def _encode_chunks(
             bad = [k for k, e in enumerate(errors) if e]
             if bad and not skip_bad:
                 raise FedfeatError(errors[bad[0]])
+            if pbuf is not None:
+                from fedfeat.store import normalize_pixels
+
+                pbuf[filled : filled + len(images)] = images.numpy()
+                images = normalize_pixels(images.to(clip.device), px_spec["mean"], px_spec["std"])
             feats = clip.encode_images(images).numpy()  # [B, D] float32
             with np.errstate(over="ignore"):  # what the store keeps: float16 (overflow -> inf)
                 finite = np.isfinite(feats.astype(np.float16)).all(axis=1)
@@ -568,7 +603,7 @@ def _encode_chunks(
             filled += len(feats)
             bar.advance(task, len(feats))
             if filled == len(buf):
-                st.write_chunk(split, ci, buf)
+                st.write_chunk(split, ci, buf, pbuf)
                 if sleep:
                     time.sleep(sleep)
                 nxt = next(chunk_iter, None)
@@ -576,6 +611,7 @@ def _encode_chunks(
                     split, ci = nxt
                     sl = st.chunk_slice(split, ci)
                     buf = np.zeros((sl.stop - sl.start, st.embed_dim), dtype=np.float32)
+                    pbuf = _pixel_buffer(st, sl)
                     filled = 0
     dt = time.perf_counter() - t0
     if not progress or rank_tag:
@@ -584,6 +620,13 @@ def _encode_chunks(
             f"({total / max(dt, 1e-9):.1f} img/s)"
         )
     return total, dt
+
+
+def _pixel_buffer(st: FeatureStore, sl: slice) -> np.ndarray | None:
+    spec = st.attrs.get("pixels")
+    if spec is None:
+        return None
+    return np.zeros((sl.stop - sl.start, 3, *spec["size"]), dtype=np.uint8)
 
 
 def _finish(st: FeatureStore, ds: ImageDataset) -> dict[str, list[str]]:

@@ -173,12 +173,15 @@ class FeatureStore:
         extra_attrs: dict | None = None,
         sources: dict | None = None,
         overwrite: bool = False,
+        pixels: dict | None = None,
     ) -> FeatureStore:
         """Create an empty, incomplete store with its labels written and its feature chunks pending.
 
         ``labels`` maps each split name ("train", "test", ...) to its ``[N]`` label array; the
         feature arrays are pre-sized (one process creates, writers only fill whole chunks).
         ``sources``: ``{file name: [size, content hash]}`` of the dataset files (``encode``).
+        ``pixels``: ``{"size": [H, W], "mean": [3], "std": [3]}`` to also keep every image as the model's uint8 input
+        after its resize and centre crop (``encode --pixels``; live image methods read them).
         """
         path = Path(path)
         if path.exists():
@@ -207,6 +210,9 @@ class FeatureStore:
             "complete": False,
         }
         attrs.update(extra_attrs or {})
+        if pixels is not None:
+            attrs["pixels"] = {"size": [int(v) for v in pixels["size"]], "mean": [float(v) for v in pixels["mean"]],
+                               "std": [float(v) for v in pixels["std"]]}  # fmt: skip
         st = cls(path, g, mode="w")
         for split, lab in labels.items():
             lab = np.asarray(lab, dtype=np.int64)
@@ -228,6 +234,23 @@ class FeatureStore:
             sg.create_array(
                 "done", shape=(math.ceil(n / chunk_rows),), chunks=(1,), dtype="uint64", fill_value=0
             )
+            if pixels is not None:
+                H, W = (int(v) for v in pixels["size"])
+                sg.create_array(
+                    "pixels",
+                    shape=(n, 3, H, W),
+                    chunks=(min(chunk_rows, n), 3, H, W),
+                    dtype="uint8",
+                    compressors=ZstdCodec(level=1),
+                    fill_value=0,
+                )
+                sg.create_array(
+                    "pixels_crc",
+                    shape=(math.ceil(n / chunk_rows),),
+                    chunks=(1,),
+                    dtype="uint64",
+                    fill_value=0,
+                )
         tg = g.require_group("text")
         tg.create_array(
             "features",
@@ -418,12 +441,27 @@ class FeatureStore:
         """``[n_chunks]`` bool: which feature chunks are written whole."""
         return self._done(split) != 0
 
-    def write_chunk(self, split: str, i: int, feats: np.ndarray) -> None:
+    @property
+    def has_pixels(self) -> bool:
+        return "pixels" in self.attrs
+
+    def write_chunk(self, split: str, i: int, feats: np.ndarray, pixels: np.ndarray | None = None) -> None:
         """Write feature chunk ``i`` whole (``feats  # [rows, D]``), then record it as done with its checksum.
+        A store with pixels takes the chunk's ``pixels  # [rows, 3, H, W]`` uint8 too, written (with their own
+        checksum) before the features: a chunk is done only when both are.
 
         Non-finite values (also float16 overflow) are refused: a store holds finite features only.
         """
         sl = self.chunk_slice(split, i)
+        if self.has_pixels:
+            H, W = self.attrs["pixels"]["size"]
+            px = np.ascontiguousarray(pixels, dtype=np.uint8) if pixels is not None else None
+            if px is None or px.shape != (sl.stop - sl.start, 3, H, W):
+                raise ValueError(
+                    f"chunk {i} of {split} needs pixels of shape {(sl.stop - sl.start, 3, H, W)}"
+                )
+            self._g[f"{split}/pixels"][sl] = px
+            self._g[f"{split}/pixels_crc"][i] = DONE_BIT | crc(px)
         feats = np.asarray(feats)
         if feats.shape != (sl.stop - sl.start, self.embed_dim):
             raise ValueError(
@@ -554,6 +592,30 @@ class FeatureStore:
             block = self._read_chunk(split, int(i))
             self._check_chunk(split, int(i), block, int(done[i]))
             sel = chunk_of == i
+            out[sel] = block[rows[sel] - sl.start]
+        return out
+
+    def pixels(self, split: str, rows) -> np.ndarray:
+        """The stored model inputs of ``rows``: ``[n, 3, H, W]`` uint8 after the model's resize and centre crop
+        (``normalize_pixels`` makes them the model's float input); the chunks read are checked against their
+        checksums."""
+        if not self.has_pixels:
+            raise FedfeatError(
+                f"store {self.path} keeps no pixels; re-encode it with `fedfeat encode ... --pixels` (live image "
+                "methods read images from the store)"
+            )
+        self._check_split(split)
+        rows = np.asarray(rows, dtype=np.int64)
+        H, W = self.attrs["pixels"]["size"]
+        out = np.empty((len(rows), 3, H, W), dtype=np.uint8)
+        crcs = self._read(f"{split}/pixels_crc").astype(np.uint64)
+        chunk_of = rows // self.chunk_rows
+        for c in np.unique(chunk_of):
+            sl = self.chunk_slice(split, int(c))
+            block = self._read(f"{split}/pixels", sl, f"chunk {int(c)}")
+            if DONE_BIT | crc(np.ascontiguousarray(block)) != int(crcs[c]):
+                raise self._damaged(f"{split}/pixels chunk {int(c)} does not match its checksum")
+            sel = chunk_of == c
             out[sel] = block[rows[sel] - sl.start]
         return out
 
@@ -787,3 +849,14 @@ class StoreLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def normalize_pixels(px, mean, std):
+    """uint8 model inputs ``[B, 3, H, W]`` (a torch tensor, any device) -> the model's float32 input, with exactly
+    torchvision's ``ToTensor`` + ``Normalize`` arithmetic (``x / 255``, then ``(x - mean) / std`` per channel)."""
+    import torch
+
+    x = px.to(torch.float32).div(255)
+    m = torch.as_tensor(mean, dtype=torch.float32, device=x.device).view(-1, 1, 1)
+    s = torch.as_tensor(std, dtype=torch.float32, device=x.device).view(-1, 1, 1)
+    return x.sub_(m).div_(s)
