@@ -603,7 +603,7 @@ def _encode_chunks(
             filled += len(feats)
             bar.advance(task, len(feats))
             if filled == len(buf):
-                st.write_chunk(split, ci, buf, pbuf)
+                st.write_chunk(split, ci, buf) if pbuf is None else st.write_chunk(split, ci, buf, pbuf)
                 if sleep:
                     time.sleep(sleep)
                 nxt = next(chunk_iter, None)
