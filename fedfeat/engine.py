@@ -99,6 +99,9 @@ class Context:
     rounds: int = 0  # the run's number of rounds (learning-rate schedules over the run)
     local_test: list | None = None  # per client: int64 rows of test_x (FedCoPL's local test splits), or None
     cache: dict = field(default_factory=dict)  # derived read-only tensors (never checkpointed: not ``state``)
+    store: object | None = None  # the FeatureStore (live image methods read its pixels)
+    train_rows: np.ndarray | None = None  # [N] store rows of the client-major training samples
+    test_rows: np.ndarray | None = None  # [N_test] store rows of test_x
 
     def test_xT(self) -> torch.Tensor:
         """``test_x`` transposed to ``[D, N_test]``, contiguous, made once: a linear head's test logits as
@@ -313,6 +316,9 @@ class RunData:
     live: object | None = None  # fedfeat.live.LiveText (``needs_live_text`` methods; set by the caller)
     memo: dict | None = None  # a sweep's shared RunData keeps its normalised copies here (``build_context``)
     local_test: list | None = None  # per client: int64 rows of test_x (``local_test="proportional"``)
+    store: object | None = None  # the FeatureStore it was read from
+    rows: np.ndarray | None = None  # [N] store rows of train_x (client-major)
+    test_rows: np.ndarray | None = None  # [N_test] store rows of test_x (closed runs)
 
 
 def _normalize(x: torch.Tensor) -> torch.Tensor:
@@ -357,6 +363,9 @@ def build_context(data: RunData, method, seed: int, device: torch.device) -> Con
         live=data.live,
         class_names=list(data.class_names),
         local_test=data.local_test,
+        store=data.store,
+        train_rows=data.rows,
+        test_rows=data.test_rows,
     )
     if getattr(method, "needs_live_text", False) and data.live is None:
         raise FedfeatError(
@@ -385,15 +394,19 @@ def evaluate(method, ctx: Context, glob: dict, test_y: torch.Tensor, n_classes: 
     pc = (per_class / cnt.clamp_min(1)).tolist()
     out = {"acc": float(correct.mean()) * 100, "per_class_acc": [100 * v for v in pc], "pred": pred}
     if getattr(ctx, "local_test", None) is not None:
-        out["extra"] = local_accuracy(ctx, correct)
+        out["extra"] = local_accuracy(method, ctx, glob, correct, test_y)
     return out
 
 
-def local_accuracy(ctx: Context, correct: torch.Tensor) -> dict:
+def local_accuracy(method, ctx: Context, glob: dict, correct: torch.Tensor, test_y: torch.Tensor) -> dict:
     """FedCoPL's metric: the unweighted mean over clients of each client's accuracy on its local test split
     (clients with an empty split left out), with its standard deviation over clients. The methods here have one
-    global model, so a client's accuracy is that of the global predictions on its rows."""
-    accs = [float(correct[r.to(correct.device)].mean()) * 100 for r in ctx.local_test if len(r)]
+    global model, so a client's accuracy is that of the global predictions on its rows; a method with per-client
+    models gives its own (``local_accuracies``)."""
+    if hasattr(method, "local_accuracies"):  # per-client models (FedCoPL's local text prompts)
+        accs = method.local_accuracies(ctx, glob, test_y)
+    else:
+        accs = [float(correct[r.to(correct.device)].mean()) * 100 for r in ctx.local_test if len(r)]
     a = np.asarray(accs)
     return {
         "local_acc": float(a.mean()) if len(a) else None,
@@ -569,6 +582,7 @@ def _run(
         check_finite(method, ctx, 0, glob, None)
     for rnd in range(first, total_rounds + 1):
         t0 = time.perf_counter()
+        method.round_begin(ctx, rnd, glob)
         clients = method.sample(ctx, rnd, participation)
         plan = make_plan(ctx, rnd, clients, method.p.batch_size, method.p.local_epochs)
         if engine == "batched":
@@ -704,6 +718,9 @@ def load_run_data(
         train_counts=torch.bincount(y.cpu(), minlength=K),
         open_vocab=ov,
         local_test=lt,
+        store=store,
+        rows=order,
+        test_rows=np.flatnonzero(keep) if ov is None and has_test else None,
     )
 
 

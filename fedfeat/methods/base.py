@@ -164,6 +164,9 @@ class Method:
     def init_global(self, ctx: Context) -> dict[str, torch.Tensor]:
         return {}
 
+    def round_begin(self, ctx: Context, rnd: int, glob: dict) -> None:
+        """Before a round's sampling: a method may refresh its training sets here (FedCoPL's pseudo-labels)."""
+
     def sample(self, ctx: Context, rnd: int, participation: float) -> np.ndarray:
         return sample_clients(ctx.seed, rnd, ctx.n_clients, participation)
 

@@ -1,0 +1,295 @@
+"""FedCoPL (Guo et al., ICCV 2025, "Cooperative Pseudo Labeling for Unsupervised Federated Classification";
+``krumpguo/FedCoPL``): unsupervised federated prompt learning with a live, prompted image encoder.
+
+Each client trains a deep visual prompt (VPT-deep: 5 tokens at each of the first 11 of ViT-B/32's 12 blocks,
+``fedfeat.vpt``) and a CoOp text context (16 tokens, ``fedfeat.prompt``) on pseudo-labelled local data; the server
+averages the **visual** prompts weighted by the clients' selected-set sizes, and the text contexts stay with their
+clients (partial prompt aggregation; ``aggregate`` = ``visual`` | ``both`` | ``text`` | ``none`` are the paper's
+ablations). Pseudo-labels come from a reusable pseudo-labeller (``pseudo``: ``copl`` -- the paper's cooperative
+pseudo-labelling, ``fedfeat.copl`` -- or ``fpl``), refreshed every ``refresh`` (Q = 5) rounds: at the first round
+from zero-shot CLIP (the store's cached features), later from the current model (every training image re-encoded
+with the global visual prompt and the client's text context). Images are read from the store's pixels (``encode
+--pixels``), kept in memory as uint8 on the run's device and normalised per step; the whole batch of all active
+clients goes through the prompted encoder in one forward, each sample with its own client's prompts.
+
+Defaults (reference-notes "FedCoPL"): SGD lr 0.1, momentum 0.9, weight decay 0.05, batch 64, 10 local epochs, the
+cosine learning rate over ``Q x epochs`` stepped per epoch and restarting at each refresh (the code's LambdaLR with
+``epoch = (round % Q) * 10 + e``), prompts N(0, 0.02), every client from the same initial prompts, CLIP's logit
+scale, CE on one-hot pseudo-labels. The code's quirks are not copied: its two SGD optimisers are created once and
+shared by all clients (momentum leaking from client to client; here each client starts each round afresh), and its
+server prototypes are computed and unused. Metrics: the mean of per-client accuracies on local test splits
+(``--local-test joint`` with ``--partition dirichlet-joint``, FedCoPL's split; each client: the global visual
+prompt and its own text context), the global test accuracy (the global visual prompt and the mean of the clients'
+text contexts: ours, the paper reports only local accuracy) and the pseudo-labels' accuracy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from fedfeat import rng
+from fedfeat.engine import Batch, Context, RoundPlan, fedavg, masked_mean
+from fedfeat.errors import FedfeatError
+from fedfeat.methods.base import Method, register
+from fedfeat.optim import BatchedSGD
+
+TAG_TEXT_INIT, TAG_VPT_INIT = 311, 312
+EVAL_BATCH = 256  # images per forward when evaluating or refreshing pseudo-labels
+
+
+@dataclass(frozen=True)
+class FedCoPLParams:
+    local_epochs: int = 10  # run-textPT_ALL.sh EPOCHS 10
+    batch_size: int = 64  # FedCoPL_config_PLL.yml BATCH_SIZE 64
+    lr: float = 0.1  # yml: two SGD optimisers, lr 0.1
+    momentum: float = 0.9  # yml
+    weight_decay: float = 0.05  # yml
+    n_ctx: int = 16  # TextPromptLearner.n_ctx 16 (unified, random init)
+    vpt_tokens: int = 5  # VPT-deep: 5 tokens per block
+    vpt_depth: int = -1  # prompted blocks; -1: all but the last (11 of ViT-B/32's 12)
+    ctx_std: float = 0.02  # nn.init.normal_(std=0.02), both prompts
+    refresh: int = 5  # Q: num_repesudo_round 5
+    aggregate: Literal["visual", "both", "text", "none"] = (
+        "visual"  # the paper's partial aggregation + ablations
+    )
+    pseudo: Literal["copl", "fpl"] = "copl"  # CoPL (paper); "fpl": FPL's per-class top-k (plug-and-play)
+    pseudo_k: int = 16  # FPL's k
+    truncate: bool = True  # text prompts cut after the longest EOT (fedfeat.prompt)
+
+    def validate(self) -> None:
+        if self.local_epochs < 1 or self.batch_size < 1 or self.refresh < 1 or self.pseudo_k < 1:
+            raise FedfeatError(
+                "local_epochs, batch_size, refresh and pseudo_k must be >= 1; e.g. --set refresh=5"
+            )
+        if self.lr <= 0 or self.weight_decay < 0 or not 0 <= self.momentum < 1 or self.ctx_std <= 0:
+            raise FedfeatError(
+                f"need lr > 0, weight_decay >= 0, momentum in [0, 1), ctx_std > 0; got {self.lr}, "
+                f"{self.weight_decay}, {self.momentum}, {self.ctx_std}"
+            )
+        if self.n_ctx < 1 or self.vpt_tokens < 1 or self.vpt_depth < -1:
+            raise FedfeatError(
+                "n_ctx and vpt_tokens must be >= 1 and vpt_depth >= -1 (-1: all blocks but the last)"
+            )
+
+
+def epoch_lr(p, rnd: int, epoch: int) -> float:
+    """Cosine over ``Q x E`` epochs, restarting every Q rounds: ``t = ((rnd - 1) % Q) * E + epoch``."""
+    T = p.refresh * p.local_epochs
+    t = ((rnd - 1) % p.refresh) * p.local_epochs + epoch
+    return p.lr * 0.5 * (1 + math.cos(math.pi * t / T))
+
+
+@register
+class FedCoPL(Method):
+    """FedCoPL (Guo et al. 2025): cooperative pseudo-labels, VPT-deep + local CoOp text prompts, partial aggregation."""
+
+    name = "fedcopl"
+    Params = FedCoPLParams
+    uses_labels = False
+    needs_live_text = True
+    runs_on = "pixels + live image and text encoders"
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self, ctx: Context) -> None:
+        from fedfeat.vpt import PromptedViT
+
+        p = self.p
+        st = ctx.store
+        if st is None or not st.has_pixels:
+            raise FedfeatError(
+                "fedcopl re-encodes images: its store needs pixels; encode it with `fedfeat encode ... --pixels`"
+            )
+        if ctx.train_rows is None or ctx.test_rows is None:
+            raise FedfeatError(
+                "fedcopl needs a closed partition with a test split (not --partition disjoint-classes)"
+            )
+        self.vit = PromptedViT(ctx.live.model.visual, None if p.vpt_depth < 0 else p.vpt_depth, p.vpt_tokens)
+        self.learner = ctx.live.learner(ctx.class_names, p.n_ctx, truncate=p.truncate)
+        spec = st.attrs["pixels"]
+        self.mean, self.std = spec["mean"], spec["std"]
+        dev = ctx.device
+        ctx.cache["train_pixels"] = torch.from_numpy(st.pixels("train", ctx.train_rows)).to(
+            dev
+        )  # [N, 3, H, W]
+        ctx.cache["test_pixels"] = torch.from_numpy(st.pixels("test", ctx.test_rows)).to(dev)
+        self.all_offsets, self.all_feats = ctx.offsets.clone(), ctx.feats
+        C = ctx.n_clients
+        text0 = self.learner.init_context(rng.generator(ctx.seed, TAG_TEXT_INIT), std=p.ctx_std)  # [n_ctx, W]
+        vpt0 = self.vit.init_prompts(rng.generator(ctx.seed, TAG_VPT_INIT), std=p.ctx_std)  # [depth, P, W]
+        self.init = {"text": text0, "vpt": vpt0}
+        # every client starts from the same prompts; the parts that are not aggregated live here per client
+        for k in self.local_keys():
+            ctx.state[f"client_{k}"] = self.init[k].unsqueeze(0).repeat(C, *([1] * self.init[k].dim()))
+
+    def global_keys(self) -> list[str]:
+        return {"visual": ["vpt"], "both": ["vpt", "text"], "text": ["text"], "none": []}[self.p.aggregate]
+
+    def local_keys(self) -> list[str]:
+        return [k for k in ("vpt", "text") if k not in self.global_keys()]
+
+    def init_global(self, ctx: Context) -> dict[str, torch.Tensor]:
+        return {k: self.init[k].clone() for k in self.global_keys()}
+
+    # ------------------------------------------------------------------ encoders
+    def _images(
+        self, ctx: Context, pixels: torch.Tensor, vpt: torch.Tensor, owner: torch.Tensor
+    ) -> torch.Tensor:
+        from fedfeat.store import normalize_pixels
+
+        x = normalize_pixels(pixels, self.mean, self.std)
+        return F.normalize(self.vit.forward(x, vpt, owner), dim=-1)
+
+    def _text(self, params: dict) -> torch.Tensor:
+        return F.normalize(self.learner.features(params["text"]), dim=-1)  # [n, K, D]
+
+    def _client_params(self, ctx: Context, glob: dict, clients: torch.Tensor) -> dict:
+        out = {k: v.unsqueeze(0).expand(len(clients), *v.shape) for k, v in glob.items()}
+        out.update({k: ctx.state[f"client_{k}"][clients.to(ctx.device)] for k in self.local_keys()})
+        return out
+
+    @torch.no_grad()
+    def _client_logits(
+        self, ctx: Context, glob: dict, pixels: torch.Tensor, owner: torch.Tensor
+    ) -> torch.Tensor:
+        """``[N, K]`` logits of ``pixels`` with their clients' models (``owner  # [N]`` client ids)."""
+        clients, inv = torch.unique(owner, return_inverse=True)
+        P = self._client_params(ctx, glob, clients)
+        text = self._text(P)  # [m, K, D]
+        out = []
+        for s in range(0, len(pixels), EVAL_BATCH):
+            o = inv[s : s + EVAL_BATCH]
+            f = self._images(ctx, pixels[s : s + EVAL_BATCH], P["vpt"], o)  # [b, D]
+            out.append(ctx.clip_logit_scale * torch.einsum("bd,bkd->bk", f, text[o]))
+        return torch.cat(out) if out else torch.zeros(0, ctx.K, device=ctx.device)
+
+    # ------------------------------------------------------------------ pseudo-labels
+    def round_begin(self, ctx: Context, rnd: int, glob: dict) -> None:
+        p = self.p
+        if (rnd - 1) % p.refresh == 0:
+            self._refresh(ctx, rnd, glob)
+        st = ctx.state  # the selected layout (also after a resume: it is checkpointed state)
+        ctx.offsets = st["sel_offsets"].cpu()
+        ctx.feats = self.all_feats[st["sel_orig"].to(self.all_feats.device)]
+
+    def _refresh(self, ctx: Context, rnd: int, glob: dict) -> None:
+        from fedfeat import pseudolabel as pl
+
+        seg = self.all_offsets
+        owner = torch.repeat_interleave(torch.arange(ctx.n_clients), seg.diff()).to(ctx.device)
+        if (
+            rnd == 1
+        ):  # zero-shot CLIP on the cached features (no prompt yet): what the reference's round 0 does
+            z = ctx.clip_logit_scale * F.normalize(self.all_feats, dim=-1) @ ctx.text.T
+        else:
+            z = self._client_logits(ctx, glob, ctx.cache["train_pixels"], owner)
+        probs = torch.softmax(z.float(), dim=-1)
+        if self.p.pseudo == "copl":
+            from fedfeat import copl
+
+            sel = copl.CoPL(round_index=(rnd - 1) // self.p.refresh)(probs, seg)
+        else:
+            sel = pl.make_pseudo_labeller("fpl", k=self.p.pseudo_k)(probs, seg)
+        ctx.state["sel_orig"] = sel.rows.to(ctx.device)
+        ctx.state["sel_offsets"] = sel.offsets
+        ctx.state["pl_labels"] = sel.candidates.float().argmax(1).to(ctx.device)
+
+    # ------------------------------------------------------------------ local update
+    def local_params(self, ctx: Context, plan: RoundPlan) -> dict:
+        return {k: ctx.state[f"client_{k}"][plan.clients.to(ctx.device)].clone() for k in self.local_keys()}
+
+    def make_optimizer(self, rnd: int):
+        self._opt = BatchedSGD(lr=self.p.lr, momentum=self.p.momentum, weight_decay=self.p.weight_decay)
+        self._rnd = rnd
+        return self._opt
+
+    def epoch_begin(self, ctx: Context, plan: RoundPlan, local: dict, epoch: int) -> None:
+        self._opt.lr = epoch_lr(self.p, plan.rnd, epoch)
+
+    def step_loss(self, ctx: Context, params: dict, batch: Batch, local: dict) -> torch.Tensor:
+        n, B = batch.mask.shape
+        real = batch.mask.reshape(-1)
+        orig = ctx.state["sel_orig"][
+            batch.pos.reshape(-1)[real]
+        ]  # original client-major rows of real samples
+        owner = torch.arange(n, device=ctx.device).repeat_interleave(B)[real]
+        f = self._images(ctx, ctx.cache["train_pixels"][orig], params["vpt"], owner)  # [R, D]
+        feats = torch.zeros(n * B, f.shape[1], dtype=f.dtype, device=f.device).index_put(
+            (real.nonzero()[:, 0],), f
+        )
+        logits = ctx.clip_logit_scale * torch.bmm(feats.view(n, B, -1), self._text(params).transpose(1, 2))
+        y = ctx.state["pl_labels"][batch.pos]
+        ce = F.cross_entropy(logits.reshape(n * B, -1), y.reshape(-1), reduction="none").view(n, B)
+        return masked_mean(ce, batch.mask)
+
+    # ------------------------------------------------------------------ server
+    def aggregate(self, ctx: Context, plan: RoundPlan, glob: dict, cparams: dict) -> dict:
+        for k in self.local_keys():  # personal parts go back to their clients
+            ctx.state[f"client_{k}"][plan.clients.to(ctx.device)] = cparams[k].detach()
+        shared = {k: cparams[k] for k in self.global_keys()}
+        w = plan.sizes.to(ctx.device)
+        if not shared or int(w.sum()) == 0:
+            return glob
+        return fedavg(shared, w)  # weighted by the selected-set sizes
+
+    def upload_bytes(self, ctx: Context, plan: RoundPlan, cparams: dict) -> int:
+        return int(sum(cparams[k].numel() * cparams[k].element_size() for k in self.global_keys()))
+
+    # ------------------------------------------------------------------ evaluation
+    def _eval_params(self, ctx: Context, glob: dict) -> dict:
+        """The global model: the aggregated parts, and the mean of the clients' personal parts."""
+        out = {k: v.unsqueeze(0) for k, v in glob.items()}
+        out.update({k: ctx.state[f"client_{k}"].mean(0, keepdim=True) for k in self.local_keys()})
+        return out
+
+    @torch.no_grad()
+    def predict(self, ctx: Context, glob: dict, x: torch.Tensor) -> torch.Tensor:
+        if x is not ctx.test_x:
+            raise FedfeatError("fedcopl predicts from pixels: it evaluates the store's test images only")
+        P = self._eval_params(ctx, glob)
+        text = self._text(P)[0]
+        px = ctx.cache["test_pixels"]
+        zero = torch.zeros(len(px), dtype=torch.int64, device=ctx.device)
+        out = [
+            ctx.clip_logit_scale
+            * self._images(ctx, px[s : s + EVAL_BATCH], P["vpt"], zero[s : s + EVAL_BATCH])
+            @ text.T
+            for s in range(0, len(px), EVAL_BATCH)
+        ]
+        return torch.cat(out)
+
+    @torch.no_grad()
+    def local_accuracies(self, ctx: Context, glob: dict, test_y: torch.Tensor) -> list[float]:
+        """Each client's accuracy on its local test rows with its own model (global visual prompt, own text)."""
+        rows = [r for r in ctx.local_test]
+        owner = torch.cat([torch.full((len(r),), k, dtype=torch.int64) for k, r in enumerate(rows)]).to(
+            ctx.device
+        )
+        allr = torch.cat(rows).to(ctx.device)
+        if len(allr) == 0:
+            return []
+        pred = self._client_logits(ctx, glob, ctx.cache["test_pixels"][allr], owner).argmax(1)
+        right = (pred == test_y[allr]).double()
+        accs = []
+        start = 0
+        for r in rows:
+            if len(r):
+                accs.append(float(right[start : start + len(r)].mean()) * 100)
+            start += len(r)
+        return accs
+
+    def round_metrics(self, ctx: Context, data, glob: dict, ev: dict) -> dict:
+        if "sel_orig" not in ctx.state:  # round 0: no pseudo-labels yet
+            return {}
+        orig = ctx.state["sel_orig"].to(data.train_y.device)
+        truth = data.train_y[orig]
+        pl_acc = (
+            float((ctx.state["pl_labels"].to(truth.device) == truth).double().mean()) * 100
+            if len(orig)
+            else None
+        )
+        return {"pseudo_label_acc": pl_acc, "pseudo_samples": int(len(orig))}

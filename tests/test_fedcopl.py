@@ -1,0 +1,130 @@
+"""``fedcopl`` end to end on the tiny open_clip ViT with a pixel store: batched = loop, partial aggregation (visual
+prompts shared, text contexts personal), local test accuracy from each client's own model, one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from helpers_clip import TINY_NAME, cli_error_text, make_tiny_clip, run_cli, write_cifar10
+
+from fedfeat.engine import load_run_data, run_federated
+from fedfeat.live import load_live_text
+from fedfeat.methods import get_method
+from fedfeat.partition import make_partition
+from fedfeat.store import FeatureStore
+
+FAST = {
+    "pseudo": "fpl",
+    "pseudo_k": "4",
+    "local_epochs": "2",
+    "batch_size": "8",
+    "refresh": "1",
+    "n_ctx": "4",
+}
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    d = tmp_path_factory.mktemp("copl")
+    tc = make_tiny_clip(d / "tiny")
+    fx = write_cifar10(d / "data" / "cifar-10-batches-py", n_train=120, n_test=40)
+    out = {}
+    for tag, extra in (("px", ["--pixels"]), ("plain", [])):
+        r = run_cli(["encode", "--dataset", "cifar10", "--root", fx.root, "--backbone", tc.config, "--pretrained",
+                     tc.weights, "--out", d / tag, "--device", "cpu", *extra])  # fmt: skip
+        assert r.exit_code == 0, (r.output, r.exception)
+        out[tag] = d / tag / "cifar10" / f"{TINY_NAME}-tiny.zarr"
+    return out
+
+
+def _data(store):
+    st = FeatureStore.open(store)
+    part = make_partition(
+        st.labels("train"), "dirichlet-joint", clients=3, alpha=0.5, test_labels=st.labels("test")
+    )
+    data = load_run_data(st, part, local_test="joint")
+    data.live = load_live_text(st)
+    return data
+
+
+@pytest.mark.parametrize("aggregate", ["visual", "both"])
+def test_batched_equals_loop_and_partial_aggregation(stores, aggregate):
+    data = _data(stores["px"])
+    runs = {}
+    for engine in ("batched", "loop"):
+        m = get_method("fedcopl", FAST | {"aggregate": aggregate})
+        g, rows = run_federated(m, data, rounds=2, participation=1.0, seed=0, engine=engine)
+        runs[engine] = (g, rows, {k: v.clone() for k, v in m_state(m).items()})
+    (gb, mb, sb), (gl, ml, sl) = runs["batched"], runs["loop"]
+    for k in gb:
+        torch.testing.assert_close(gb[k], gl[k], atol=1e-5, rtol=1e-5)
+    for k in sb:
+        torch.testing.assert_close(sb[k], sl[k], atol=1e-5, rtol=1e-5)
+    assert [r["train_loss"] for r in mb] == pytest.approx([r["train_loss"] for r in ml], abs=1e-5)
+    assert [r["local_acc"] for r in mb] == pytest.approx([r["local_acc"] for r in ml], abs=1e-9)
+    if aggregate == "visual":
+        assert set(gb) == {"vpt"}
+        text = sb["client_text"]  # [3, n_ctx, W]: personal, trained apart
+        assert not torch.allclose(text[0], text[1])
+    else:
+        assert set(gb) == {"vpt", "text"} and not sb
+    assert mb[-1]["pseudo_label_acc"] is not None and 0 < mb[-1]["pseudo_samples"] <= 3 * 10 * 4
+
+
+_STATE = {}
+
+
+def m_state(m):
+    return (
+        {k: v for k, v in _STATE.pop("ctx").state.items() if k.startswith("client_")}
+        if "ctx" in _STATE
+        else {}
+    )
+
+
+@pytest.fixture(autouse=True)
+def _capture_ctx(monkeypatch):
+    from fedfeat.methods import fedcopl
+
+    orig = fedcopl.FedCoPL.setup
+
+    def setup(self, ctx):
+        _STATE["ctx"] = ctx
+        return orig(self, ctx)
+
+    monkeypatch.setattr(fedcopl.FedCoPL, "setup", setup)
+
+
+def test_local_accuracy_is_each_clients_own_model(stores):
+    """local_acc = mean over clients of the accuracy of (global visual prompt, the client's own text context) on
+    its local test rows, recomputed here from the method's encoders."""
+    data = _data(stores["px"])
+    m = get_method("fedcopl", FAST)
+    g, rows = run_federated(m, data, rounds=1, participation=1.0, seed=0)
+    ctx = _STATE.pop("ctx")
+    accs = []
+    for k, r in enumerate(ctx.local_test):
+        if len(r) == 0:
+            continue
+        logits = m._client_logits(
+            ctx, g, ctx.cache["test_pixels"][r], torch.full((len(r),), k, dtype=torch.int64)
+        )
+        accs.append(float((logits.argmax(1) == data.test_y[r]).double().mean()) * 100)
+    assert rows[-1]["local_acc"] == pytest.approx(np.mean(accs), abs=1e-9)
+
+
+def test_train_end_to_end_and_a_store_without_pixels(stores, tmp_path):
+    base = ["train", "--method", "fedcopl", "--partition", "dirichlet-joint", "--alpha", "0.5", "--clients", "3",
+            "--participation", "1", "--rounds", "2", "--local-test", "joint", "--quiet", "--device", "cpu"]  # fmt: skip
+    sets = [x for k, v in FAST.items() for x in ("--set", f"{k}={v}")]
+    r = run_cli([*base, *sets, "--store", stores["px"], "--out", tmp_path / "ok"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    (run,) = [p for p in (tmp_path / "ok").iterdir() if not p.name.startswith(".")]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["round"] for x in rows] == [0, 1, 2] and rows[-1]["local_acc"] is not None
+    bad = run_cli([*base, *sets, "--store", stores["plain"], "--out", tmp_path / "bad"])
+    assert bad.exit_code == 2
+    assert "its store needs pixels; encode it with `fedfeat encode ... --pixels`" in cli_error_text(bad)
