@@ -49,6 +49,7 @@ def main() -> None:
             "bench_openvocab.py",
             "bench_prompt.py",
             "bench_round.py",
+            "bench_fedcopl.py",
         ):
             path = ROOT / "bench" / script
             if path.exists():
