@@ -527,6 +527,45 @@ def run_federated(
         torch.set_num_threads(threads)
 
 
+def dist_info() -> tuple[int, int]:
+    """``(rank, world size)`` of a running torch.distributed job (torchrun), else ``(0, 1)``."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def sharded_local(method, ctx: Context, plan: RoundPlan, glob: dict, kernel: str, rank: int, world: int):
+    """The round's local updates sharded across a torchrun job: rank ``r`` trains the plan's clients ``r, r + world,
+    ...`` (the plan orders clients by steps, so every rank gets a similar share), then every rank all-gathers the
+    clients' parameters in plan order and runs the method's own aggregation on all of them -- the same server step
+    as one process (an all-gather rather than an all-reduce of weighted sums, so that every method's aggregation,
+    adaptive weights and personal parts included, stays exact)."""
+    import torch.distributed as dist
+
+    mine = slice(rank, plan.m, world)
+    if len(range(*mine.indices(plan.m))):
+        cp, st = run_local(method, ctx, plan, glob, rows=mine, kernel=kernel)
+    else:
+        cp, st = {}, {"loss_sum": 0.0, "loss_steps": 0}
+    parts: list = [None] * world
+    dist.all_gather_object(parts, ({k: v.detach().cpu() for k, v in cp.items()}, st))
+    first = next(p[0] for p in parts if p[0])
+    cparams = {}
+    for k, v in first.items():
+        full = torch.empty((plan.m, *v.shape[1:]), dtype=v.dtype)
+        for r, (cp_r, _) in enumerate(parts):
+            if cp_r:
+                full[r::world] = cp_r[k]
+        cparams[k] = full.to(ctx.device)
+    stats = {
+        "loss_sum": sum(p[1]["loss_sum"] for p in parts),
+        "loss_steps": sum(p[1]["loss_steps"] for p in parts),
+    }
+    return cparams, stats
+
+
 def check_finite(method, ctx: Context, rnd: int, glob: dict, loss: float | None) -> None:
     """Stop a run whose loss or weights became NaN or inf (a run that looks finished must not hold them)."""
     what = [] if loss is None or np.isfinite(loss) else ["training loss"]
@@ -547,6 +586,14 @@ def _run(
     ctx = build_context(data, method, seed, device)
     ctx.threads = threads
     ctx.rounds = rounds
+    rank, world = dist_info()
+    if world > 1 and not type(method).__dict__.get("shardable", False):
+        raise FedfeatError(
+            f"method {method.name} cannot be sharded across processes (it keeps per-sample state that local "
+            "training updates, or has no sharded form yet); run it in one process"
+        )
+    if world > 1 and engine != "batched":
+        raise FedfeatError("torchrun shards the batched engine's clients; use --engine batched")
     K = len(data.class_names)
     method.setup(ctx)
     glob = method.init_global(ctx)
@@ -585,7 +632,9 @@ def _run(
         method.round_begin(ctx, rnd, glob)
         clients = method.sample(ctx, rnd, participation)
         plan = make_plan(ctx, rnd, clients, method.p.batch_size, method.p.local_epochs)
-        if engine == "batched":
+        if engine == "batched" and world > 1:
+            cparams, st = sharded_local(method, ctx, plan, glob, kernel, rank, world)
+        elif engine == "batched":
             cparams, st = run_local(method, ctx, plan, glob, kernel=kernel)
         else:
             outs = [run_local(method, ctx, plan, glob, rows=slice(j, j + 1)) for j in range(plan.m)]

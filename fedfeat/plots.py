@@ -49,10 +49,15 @@ def plot_partition_heatmap(
     ax.set_ylabel("client")
     if K <= 30:
         ax.set_xticks(range(K), [n[:12] for n in class_names], rotation=60, ha="right", fontsize=7)
+    else:
+        ax.set_xticks(_int_ticks(K))
+    ax.set_yticks(_int_ticks(C))  # integer client ticks, thinned for many clients
     ax.set_title(title or "samples per client and class")
     fig.colorbar(im, ax=ax, label="samples")
-    _save(fig, path)
-    plt.close(fig)
+    try:
+        _save(fig, path)
+    finally:
+        plt.close(fig)
 
 
 def plot_curves(
@@ -81,3 +86,292 @@ def plot_curves(
         ax.legend(fontsize=7, loc="best")
     _save(fig, path)
     plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------- partitions
+
+
+def _int_ticks(n: int, max_ticks: int = 20) -> list[int]:
+    """Integer tick positions 0..n-1, thinned to at most about ``max_ticks`` (always including 0)."""
+    step = max(1, int(np.ceil(n / max_ticks)))
+    return list(range(0, n, step))
+
+
+def _draw_partition(counts: np.ndarray, class_names: list[str], view: str = "heatmap", title: str = ""):
+    """The partition figure (returned open: the caller closes it). ``counts  # [clients, classes]``.
+
+    ``heatmap``: absolute samples per client and class; ``percent``: each client's class distribution in percent
+    (rows sum to 100); ``bars``: one stacked bar per client, one colour per class (legend of class names when
+    K <= 20). The flwr-datasets ``plot_label_distributions`` conventions."""
+    plt = _plt()
+    counts = np.asarray(counts)
+    if counts.ndim != 2:
+        raise FedfeatError(f"partition counts must be [clients, classes], got shape {counts.shape}")
+    C, K = counts.shape
+    if view in ("heatmap", "percent"):
+        data = counts.astype(float)
+        if view == "percent":
+            tot = data.sum(axis=1, keepdims=True)
+            data = np.divide(100.0 * data, tot, out=np.zeros_like(data), where=tot > 0)
+        fig, ax = plt.subplots(figsize=(min(3 + 0.35 * K, 14), min(2.5 + 0.15 * C, 12)))
+        im = ax.imshow(data, aspect="auto", cmap="viridis", interpolation="nearest")
+        ax.set_xlabel("class")
+        ax.set_ylabel("client")
+        if K <= 30:
+            ax.set_xticks(range(K), [str(n)[:12] for n in class_names], rotation=60, ha="right", fontsize=7)
+        else:
+            ax.set_xticks(_int_ticks(K))
+        ax.set_yticks(_int_ticks(C))
+        ax.set_title(
+            title
+            or ("class distribution per client (%)" if view == "percent" else "samples per client and class")
+        )
+        fig.colorbar(im, ax=ax, label="% of the client's samples" if view == "percent" else "samples")
+    elif view == "bars":
+        fig, ax = plt.subplots(figsize=(min(4 + 0.25 * C, 16), 4.5))
+        cmap = plt.get_cmap("tab20" if K > 10 else "tab10")
+        colors = (
+            [cmap(k % cmap.N) for k in range(K)] if K <= 20 else plt.get_cmap("viridis")(np.linspace(0, 1, K))
+        )
+        bottom = np.zeros(C)
+        x = np.arange(C)
+        for k in range(K):
+            ax.bar(
+                x, counts[:, k], bottom=bottom, color=colors[k], width=0.85, label=str(class_names[k])[:20]
+            )
+            bottom += counts[:, k]
+        ax.set_xlabel("client")
+        ax.set_ylabel("samples")
+        ax.set_xticks(_int_ticks(C, 30))
+        ax.set_xlim(-0.6, C - 0.4)
+        ax.set_title(title or "samples per client, by class")
+        if K <= 20:
+            ax.legend(
+                fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, title="class"
+            )
+    else:
+        raise FedfeatError(f"unknown partition view {view!r}: choose heatmap, percent or bars")
+    return fig
+
+
+def plot_partition(
+    counts: np.ndarray, class_names: list[str], path: str | Path, view: str = "heatmap", title: str = ""
+) -> None:
+    """Draw a partition (``view``: heatmap | percent | bars) to ``path`` (.png, .pdf or .svg)."""
+    _check_suffix(path)
+    plt = _plt()
+    fig = _draw_partition(counts, class_names, view, title)
+    try:
+        _save(fig, path)
+    finally:
+        plt.close(fig)
+
+
+def plot_partition_percent(
+    counts: np.ndarray, class_names: list[str], path: str | Path, title: str = ""
+) -> None:
+    """Each client's class distribution in percent, as a heatmap."""
+    plot_partition(counts, class_names, path, view="percent", title=title)
+
+
+def plot_partition_bars(
+    counts: np.ndarray, class_names: list[str], path: str | Path, title: str = ""
+) -> None:
+    """One stacked bar per client, one colour per class."""
+    plot_partition(counts, class_names, path, view="bars", title=title)
+
+
+def _check_suffix(path) -> None:
+    if Path(path).suffix.lower() not in FORMATS:
+        raise FedfeatError(f"cannot draw {path}: choose a .png, .pdf or .svg file name")
+
+
+# --------------------------------------------------------------------------------------------- seed curves
+
+METRIC_LABELS = {
+    "test_acc": "test accuracy (%)",
+    "many_acc": "many-shot accuracy (%)",
+    "medium_acc": "medium-shot accuracy (%)",
+    "few_acc": "few-shot accuracy (%)",
+    "local_acc": "local accuracy (%)",
+    "base_acc": "base accuracy (%)",
+    "hm": "harmonic mean (%)",
+}
+_LINESTYLES = {"test_acc": "-", "many_acc": "-", "medium_acc": "--", "few_acc": ":", "local_acc": "-."}
+
+# the run settings that identify a group (everything but the seed); params are flattened as params.<key>
+GROUP_KEYS = ("method", "partition", "store_fingerprint", "rounds", "clients", "participation")
+
+
+def _setting_items(summary: dict) -> dict:
+    items = {k: summary.get(k) for k in GROUP_KEYS}
+    for k, v in sorted((summary.get("params") or {}).items()):
+        items[f"params.{k}"] = v
+    return items
+
+
+def _fmt(v) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def seed_groups(runs, metric: str | list[str] = "test_acc", panel_key: str = "partition") -> list[dict]:
+    """Group runs that differ only in their seed. ``runs``: ``[(summary, metrics_rows), ...]`` (``_collect``'s
+    records); returns ``[{"label", "panel", "rounds", "runs", "key", "seeds"}, ...]``, in first-seen order.
+
+    ``runs[i]`` is one seed's values per round (rows whose ``metric`` is None are skipped, rounds evaluated by
+    every seed kept); with a metric list, ``runs`` becomes ``{metric: [[...] per seed]}``. ``label`` = method + the
+    settings (``k=v``) that differ between groups (settings shared by every group, and the panel key, left out);
+    ``panel`` = the summary's ``panel_key`` value (``store_fingerprint`` shortened to 12 characters)."""
+    metrics = [metric] if isinstance(metric, str) else list(metric)
+    order: list = []
+    by_key: dict = {}
+    for summary, rows in runs:
+        items = _setting_items(summary)
+        key = tuple((k, repr(v)) for k, v in items.items())
+        if key not in by_key:
+            by_key[key] = {"items": items, "members": []}
+            order.append(key)
+        by_key[key]["members"].append((summary, rows))
+    all_keys = sorted(
+        {k for key in order for k in by_key[key]["items"]}, key=lambda k: (k.startswith("params."), k)
+    )
+    differing = [
+        k
+        for k in all_keys
+        if len({repr(by_key[key]["items"].get(k)) for key in order}) > 1 and k not in ("method", panel_key)
+    ]
+    out = []
+    for key in order:
+        g = by_key[key]
+        items = g["items"]
+        members = sorted(g["members"], key=lambda m: (m[0].get("seed") is None, m[0].get("seed")))
+        per_metric = {}
+        common = None
+        for m in metrics:
+            ok = [{r["round"] for r in rows if r.get(m) is not None} for _, rows in members]
+            rounds_m = sorted(set.intersection(*ok)) if ok else []
+            common = rounds_m if common is None else sorted(set(common) & set(rounds_m))
+        for m in metrics:
+            per_metric[m] = [
+                [next(r[m] for r in rows if r["round"] == rd) for rd in common] for _, rows in members
+            ]
+        extra = [f"{k.removeprefix('params.')}={_fmt(items.get(k))}" for k in differing]
+        label = " ".join([str(items.get("method"))] + extra)
+        panel = summary_panel(members[0][0], panel_key)
+        out.append(
+            {
+                "label": label,
+                "panel": panel,
+                "rounds": list(common or []),
+                "runs": per_metric[metrics[0]] if isinstance(metric, str) else per_metric,
+                "seeds": [m[0].get("seed") for m in members],
+                "key": dict(items),
+            }
+        )
+    return out
+
+
+def summary_panel(summary: dict, panel_key: str) -> str:
+    v = summary.get(panel_key)
+    if panel_key == "store_fingerprint" and isinstance(v, str):
+        return v[:12]
+    return "" if v is None else str(v)
+
+
+def mean_std(runs) -> tuple[np.ndarray, np.ndarray | None]:
+    """Mean over seeds and the std with ddof=1 (None for a single seed). ``runs  # [seeds, rounds]``."""
+    a = np.asarray(runs, dtype=float)
+    if a.ndim != 2 or a.shape[0] == 0:
+        raise FedfeatError(f"a group needs [seeds, rounds] values, got shape {a.shape}")
+    return a.mean(axis=0), (a.std(axis=0, ddof=1) if a.shape[0] > 1 else None)
+
+
+def _draw_seed_curves(
+    groups: list[dict],
+    *,
+    reference=None,
+    title: str | None = None,
+    metric: str | list[str] = "test_acc",
+):
+    """The figure (returned open). One panel per distinct ``panel`` value (first-seen order; with a metric list,
+    one panel per (panel, metric): metrics as rows, panels as columns), y axis shared; per group the mean over
+    seeds with a shaded ± std band (ddof=1; none when n = 1); the legend reads "label (n=seeds)". ``reference``:
+    a number or ``{panel: number}``, drawn dashed as "zero-shot"."""
+    plt = _plt()
+    if not groups:
+        raise FedfeatError("no runs to plot")
+    metrics = [metric] if isinstance(metric, str) else list(metric)
+    panels = list(dict.fromkeys(str(g.get("panel", "")) for g in groups))
+    labels = list(dict.fromkeys(g["label"] for g in groups))
+    cmap = plt.get_cmap("tab20" if len(labels) > 10 else "tab10")
+    color = {lab: cmap(i % cmap.N) for i, lab in enumerate(labels)}
+    nr, nc = len(metrics), len(panels)
+    fig, axes = plt.subplots(
+        nr, nc, figsize=(min(1.5 + 4.2 * nc, 18), min(0.6 + 3.4 * nr, 14)), sharey=True, squeeze=False
+    )
+    for i, m in enumerate(metrics):
+        for j, panel in enumerate(panels):
+            ax = axes[i][j]
+            for g in groups:
+                if str(g.get("panel", "")) != panel:
+                    continue
+                vals = g["runs"] if isinstance(metric, str) else g["runs"][m]
+                if not len(vals) or not len(g["rounds"]):
+                    continue
+                mean, std = mean_std(vals)
+                xs = np.asarray(g["rounds"], dtype=float)
+                n = len(vals)
+                ax.plot(xs, mean, color=color[g["label"]], lw=1.6, label=f"{g['label']} (n={n})")
+                if std is not None:
+                    ax.fill_between(xs, mean - std, mean + std, color=color[g["label"]], alpha=0.2, lw=0)
+            ref = reference.get(panel) if isinstance(reference, dict) else reference
+            if ref is not None:
+                ax.axhline(float(ref), color="0.3", ls="--", lw=1.1, label="zero-shot")
+            ax.grid(alpha=0.3)
+            if i == nr - 1:
+                ax.set_xlabel("round")
+            if j == 0:
+                ax.set_ylabel(METRIC_LABELS.get(m, m))
+            if i == 0 and (nc > 1 or panel):
+                ax.set_title(panel, fontsize=9)
+            ax.legend(fontsize=7, loc="best")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def plot_seed_curves(
+    groups: list[dict],
+    path: str | Path,
+    *,
+    panel_key: str = "partition",
+    reference=None,
+    title: str | None = None,
+    metric: str | list[str] = "test_acc",
+) -> None:
+    """Mean ± std over seeds per group, one panel per ``panel`` value, to ``path`` (.png, .pdf or .svg).
+
+    ``groups``: ``[{"label": str, "panel": str, "rounds": [r...], "runs": [[value per round] per seed]}]`` (as
+    :func:`seed_groups` makes them; ``panel_key`` names what ``panel`` holds, used as the panel title prefix).
+    ``metric`` a list (e.g. ``["many_acc", "medium_acc", "few_acc"]``, long-tailed runs): ``runs`` is then
+    ``{metric: [[...] per seed]}`` and each metric gets its own row of panels."""
+    _check_suffix(path)
+    plt = _plt()
+    named = [
+        dict(g, panel=f"{panel_key}: {g.get('panel', '')}" if g.get("panel", "") != "" else "")
+        for g in groups
+    ]
+    ref = {f"{panel_key}: {k}": v for k, v in reference.items()} if isinstance(reference, dict) else reference
+    fig = _draw_seed_curves(named, reference=ref, title=title, metric=metric)
+    try:
+        _save(fig, path)
+    finally:
+        plt.close(fig)
+
+
+def plot_group_curves(groups: list[dict], path: str | Path, **kw) -> None:
+    """Long-tailed runs: many / medium / few-shot accuracy, one row of panels each (``seed_groups(runs,
+    metric=["many_acc", "medium_acc", "few_acc"])`` makes the groups)."""
+    kw.setdefault("metric", ["many_acc", "medium_acc", "few_acc"])
+    plot_seed_curves(groups, path, **kw)

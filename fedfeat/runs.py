@@ -469,6 +469,7 @@ def train(
     save_partition: bool = False,
     progress: bool = True,
     log=print,
+    _device=None,
 ) -> Path:
     """Run one configuration end to end and write its run directory (``fedfeat.rundir``). Returns it.
 
@@ -496,7 +497,11 @@ def train(
     method = get_method(cfg.method, cfg.params)
     method_params = dataclasses.asdict(method.p)
     method_defaults = dataclasses.asdict(type(method).Params())
-    device = resolve_device(cfg.device)
+    if (
+        _device is None and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    ):  # torchrun: clients sharded across ranks
+        return _train_sharded(cfg, method, resume, overwrite, checkpoint_every, save_partition, progress, log)
+    device = _device if _device is not None else resolve_device(cfg.device)
     kernel = resolve_kernel(cfg.kernel, method, cfg.engine, device)  # before anything is written
     store = open_store(cfg)
     key, part, stored = run_partition(store, cfg, save_partition)
@@ -521,6 +526,46 @@ def train(
         ) from None
     finally:
         rd.lock.release()
+
+
+_DIST: list = []  # this process's torchrun group (set up once, used by every run of the process)
+
+
+def _train_sharded(cfg, method, resume, overwrite, checkpoint_every, save_partition, progress, log) -> Path:
+    """``torchrun --nproc-per-node N -m fedfeat train ...``: every rank loads the data and trains its share of each
+    round's clients (``engine.sharded_local``); rank 0 alone writes the run directory, exactly as one process
+    would, and the other ranks write nothing. Results equal one process's (tested with gloo on CPU)."""
+    from fedfeat.encode import _init_dist
+    from fedfeat.engine import run_federated
+
+    if not _DIST:
+        _DIST.append(_init_dist(True, cfg.device))
+    dist_ctx, device = _DIST[0]
+    if resume is not None:
+        raise FedfeatError("--resume continues a run in one process; resume it without torchrun")
+    kernel = resolve_kernel(cfg.kernel, method, cfg.engine, device)
+    if not type(method).__dict__.get("shardable", False):
+        raise FedfeatError(
+            f"method {method.name} cannot be sharded across processes (per-sample state updated in local "
+            "training); run it in one process"
+        )
+    if dist_ctx.rank == 0:
+        try:
+            return train(cfg, overwrite=overwrite, checkpoint_every=checkpoint_every,
+                         save_partition=save_partition, progress=progress, log=log, _device=device)  # fmt: skip
+        finally:
+            dist_ctx.barrier()
+    store = open_store(cfg)
+    _, part, _ = run_partition(store, cfg, False)
+    data = _run_data(store, part, "", cfg, device, getattr(method, "centralized", False))
+    if getattr(method, "needs_live_text", False):
+        data.live = _live_text(store, cfg, device)
+    centralized = getattr(method, "centralized", False)
+    run_federated(method, data, rounds=cfg.rounds, participation=1.0 if centralized else cfg.participation,
+                  seed=cfg.seed,
+                  engine=cfg.engine, kernel=kernel, device=device, eval_every=cfg.eval_every)  # fmt: skip
+    dist_ctx.barrier()
+    return run_name(cfg)
 
 
 def _train_locked(

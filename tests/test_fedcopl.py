@@ -128,3 +128,37 @@ def test_train_end_to_end_and_a_store_without_pixels(stores, tmp_path):
     bad = run_cli([*base, *sets, "--store", stores["plain"], "--out", tmp_path / "bad"])
     assert bad.exit_code == 2
     assert "its store needs pixels; encode it with `fedfeat encode ... --pixels`" in cli_error_text(bad)
+
+
+@pytest.mark.parametrize("method", ["fedcopl"])
+def test_torchrun_two_gloo_ranks_equal_one_process(stores, tmp_path, method):
+    """torchrun --nproc-per-node 2 (gloo): each rank trains half of the round's clients, the ranks all-gather them,
+    rank 0 alone writes the run; metrics and weights equal one process's."""
+    import subprocess
+    import sys
+
+    from helpers_clip import REPO, subprocess_env
+    from safetensors.torch import load_file
+
+    sets = FAST if method == "fedcopl" else {"n_ctx": "4", "batch_size": "8", "local_epochs": "2"}
+    args = ["train", "--method", method, "--store", str(stores["px"]), "--partition", "dirichlet-joint", "--alpha",
+            "0.5", "--clients", "3", "--participation", "1", "--rounds", "2", "--local-test", "joint", "--quiet",
+            "--device", "cpu", *[x for k, v in sets.items() for x in ("--set", f"{k}={v}")]]  # fmt: skip
+    env = subprocess_env(OMP_NUM_THREADS="1")
+    one = subprocess.run([sys.executable, "-m", "fedfeat", *args, "--out", str(tmp_path / "one")], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    two = subprocess.run([*launcher, "-m", "fedfeat", *args, "--out", str(tmp_path / "two")], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-6000:]
+    (a,) = [p for p in (tmp_path / "one").iterdir() if not p.name.startswith(".")]
+    (b,) = [p for p in (tmp_path / "two").iterdir() if not p.name.startswith(".")]
+    assert a.name == b.name and sorted(x.name for x in a.iterdir()) == sorted(x.name for x in b.iterdir())
+    ra = [json.loads(x) for x in (a / "metrics.jsonl").read_text().splitlines()]
+    rb = [json.loads(x) for x in (b / "metrics.jsonl").read_text().splitlines()]
+    for key in ("test_acc", "train_loss", "local_acc"):
+        assert [r[key] for r in ra] == pytest.approx([r[key] for r in rb], abs=1e-5), key
+    wa, wb = load_file(str(a / "weights.safetensors")), load_file(str(b / "weights.safetensors"))
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=1e-5, rtol=1e-5)

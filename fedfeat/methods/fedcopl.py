@@ -89,6 +89,7 @@ class FedCoPL(Method):
     """FedCoPL (Guo et al. 2025): cooperative pseudo-labels, VPT-deep + local CoOp text prompts, partial aggregation."""
 
     name = "fedcopl"
+    shardable = True  # refreshes pseudo-labels identically on every rank; personal prompts from all-gather
     Params = FedCoPLParams
     uses_labels = False
     needs_live_text = True

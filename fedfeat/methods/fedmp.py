@@ -188,6 +188,7 @@ class FedCLIP(Method):
     """FedCLIP (Lu et al. 2023; Fed-MP's baseline): an attention adapter on image features, CLIP loss, FedAvg."""
 
     name = "fedclip"
+    shardable = True  # torchrun may shard its clients
     Params = FedCLIPParams
     uses_labels = True
 
@@ -243,6 +244,7 @@ class FedMP(FedCLIP):
     """Fed-MP (Zeng et al. 2024): FedCLIP + client residuals, adaptive aggregation, multimodal prototyping."""
 
     name = "fed-mp"
+    shardable = True
     Params = FedMPParams
 
     def setup(self, ctx: Context) -> None:

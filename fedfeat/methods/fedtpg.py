@@ -173,6 +173,7 @@ class FedTPG(PromptFL):
     """FedTPG (Qiu et al. 2024): a text-driven prompt generator shared by all clients, FedAvg of the generator."""
 
     name = "fedtpg"
+    shardable = True
     Params = FedTPGParams
     uses_labels = True
 

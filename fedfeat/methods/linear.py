@@ -129,6 +129,7 @@ class FedAvg(LinearHead):
     """FedAvg (McMahan et al. 2017): local SGD on cross-entropy, sample-weighted averaging."""
 
     name = "fedavg"
+    shardable = True  # no per-sample state: torchrun may shard its clients (engine.sharded_local)
 
     def step_loss(self, ctx, params, batch, local):
         return self.ce(params, batch)[0]
@@ -155,6 +156,7 @@ class FedProx(LinearHead):
     """FedProx (Li et al. 2020): FedAvg + (mu/2) ||theta - theta_global||^2 in the local loss."""
 
     name = "fedprox"
+    shardable = True
     Params = FedProxParams
 
     def local_begin(self, ctx, plan, glob):
@@ -180,6 +182,7 @@ class FedAvgM(FedAvg):
     """FedAvgM (Hsu et al. 2019): FedAvg with server momentum on the averaged update."""
 
     name = "fedavgm"
+    shardable = True
     Params = FedAvgMParams
 
     def setup(self, ctx):
@@ -226,6 +229,7 @@ class FedNTD(LinearHead):
     """FedNTD (Lee et al. 2022): CE + not-true distillation from the frozen global model."""
 
     name = "fedntd"
+    shardable = True
     Params = FedNTDParams
 
     def local_begin(self, ctx, plan, glob):

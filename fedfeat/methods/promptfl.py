@@ -184,6 +184,7 @@ class PromptFL(PromptMethod):
     """PromptFL (Guo et al. 2023): CoOp text prompts trained through the live text encoder, FedAvg of contexts."""
 
     name = "promptfl"
+    shardable = True  # torchrun may shard its clients (pseudo-labels are fixed at set-up on every rank)
     Params = PromptFLParams
     uses_labels = True
 
