@@ -298,6 +298,8 @@ def _draw_seed_curves(
     seeds with a shaded ± std band (ddof=1; none when n = 1); the legend reads "label (n=seeds)". ``reference``:
     a number or ``{panel: number}``, drawn dashed as "zero-shot"."""
     plt = _plt()
+    from matplotlib.ticker import MaxNLocator
+
     if not groups:
         raise FedfeatError("no runs to plot")
     metrics = [metric] if isinstance(metric, str) else list(metric)
@@ -328,6 +330,7 @@ def _draw_seed_curves(
             if ref is not None:
                 ax.axhline(float(ref), color="0.3", ls="--", lw=1.1, label="zero-shot")
             ax.grid(alpha=0.3)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds: no 2.5
             if i == nr - 1:
                 ax.set_xlabel("round")
             if j == 0:

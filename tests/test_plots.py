@@ -52,6 +52,7 @@ def test_seed_curves_mean_and_std_band():
         assert refs[0][0].get_linestyle() == "--"
         assert axes[0].get_ylabel() == "test accuracy (%)"
         assert axes[0].get_shared_y_axes().joined(axes[0], axes[1])
+        assert all(float(t).is_integer() for t in axes[0].get_xticks())  # integer rounds
     finally:
         _close(fig)
 
