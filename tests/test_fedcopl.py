@@ -162,3 +162,45 @@ def test_torchrun_two_gloo_ranks_equal_one_process(stores, tmp_path, method):
     wa, wb = load_file(str(a / "weights.safetensors")), load_file(str(b / "weights.safetensors"))
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def synth_store(tmp_path_factory):
+    out = tmp_path_factory.mktemp("syn") / "s.zarr"
+    r = run_cli(["synth", "--out", out, "--dim", "32", "--train-per-class", "60", "--test-per-class", "20",
+                 "--templates", "2", "--no-stats"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    return out
+
+
+@pytest.mark.parametrize("pseudo", ["fpl"])
+def test_copl_linear_batched_equals_loop_and_fused_equals_torch(synth_store, pseudo):
+    st = FeatureStore.open(synth_store)
+    part = make_partition(st.labels("train"), "dirichlet", clients=10, alpha=0.5)
+    data = load_run_data(st, part)
+    sets = {"pseudo": pseudo, "refresh": "2", "pseudo_k": "5"}
+    runs = {}
+    for engine, kernel in (("batched", "torch"), ("loop", "torch"), ("batched", "fused")):
+        m = get_method("copl-linear", sets)
+        assert m.uses_labels is False
+        runs[(engine, kernel)] = run_federated(m, data, rounds=3, participation=0.5, seed=0, engine=engine,
+                                               kernel=kernel)  # fmt: skip
+    (gb, mb), (gl, ml), (gf, mf) = runs.values()
+    for g in (gl, gf):
+        for k in gb:
+            torch.testing.assert_close(gb[k], g[k], atol=1e-5, rtol=1e-5)
+    assert [r.get("pseudo_label_acc") for r in mb] == [r.get("pseudo_label_acc") for r in ml]
+    from fedfeat.pseudolabel import fpl_select
+
+    text = torch.nn.functional.normalize(data.text_all[0], dim=-1)
+    probs = torch.softmax(
+        data.clip_logit_scale * torch.nn.functional.normalize(data.train_x, dim=-1) @ text.T, -1
+    )
+    rows, y = fpl_select(probs, data.offsets, k=5)  # round 1: the head is the text features, zero-shot CLIP
+    assert mb[1]["pseudo_label_acc"] == pytest.approx(100 * float((y == data.train_y[rows]).double().mean()))
+    assert mb[1]["pseudo_samples"] <= 10 * 10 * 5
+    # refreshed at round 3 from the trained head: another selection than round 1's
+    assert (
+        mb[3]["pseudo_label_acc"] != mb[1]["pseudo_label_acc"]
+        or mb[3]["pseudo_samples"] != mb[1]["pseudo_samples"]
+    )

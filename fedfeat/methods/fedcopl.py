@@ -36,6 +36,7 @@ from fedfeat import rng
 from fedfeat.engine import Batch, Context, RoundPlan, fedavg, masked_mean
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import Method, register
+from fedfeat.methods.linear import FedAvg, LinearHeadParams
 from fedfeat.optim import BatchedSGD
 
 TAG_TEXT_INIT, TAG_VPT_INIT = 311, 312
@@ -75,6 +76,46 @@ class FedCoPLParams:
             raise FedfeatError(
                 "n_ctx and vpt_tokens must be >= 1 and vpt_depth >= -1 (-1: all blocks but the last)"
             )
+
+
+def select(ctx: Context, probs: torch.Tensor, seg: torch.Tensor, p, refresh_index: int) -> None:
+    """Pseudo-label every client's samples (``probs  # [N, K]``, client-major, ``seg`` the clients' offsets) with
+    ``p.pseudo`` and record the selection in ``ctx.state`` (checkpointed): the kept rows' original positions, the
+    selected layout's offsets and the hard labels."""
+    from fedfeat import pseudolabel as pl
+
+    if p.pseudo == "copl":
+        from fedfeat import copl
+
+        sel = copl.CoPL(round_index=refresh_index)(probs, seg)
+    else:
+        sel = pl.make_pseudo_labeller("fpl", k=p.pseudo_k)(probs, seg)
+    ctx.state["sel_orig"] = sel.rows.to(ctx.device)
+    ctx.state["sel_offsets"] = sel.offsets.cpu()
+    ctx.state["pl_labels"] = sel.candidates.float().argmax(1).to(ctx.device)
+
+
+def apply_selection(ctx: Context, all_feats: torch.Tensor, labels: bool) -> None:
+    """The engine's data layout = the selected rows (also after a resume, from the checkpointed state); with
+    ``labels`` the pseudo-labels become the context's labels (a label-free method's context never holds the true
+    ones), for methods that train through the labelled machinery (``copl-linear``: FedAvg's loss and kernel)."""
+    st = ctx.state
+    ctx.offsets = st["sel_offsets"].cpu()
+    ctx.feats = all_feats[st["sel_orig"].to(all_feats.device)]
+    if labels:
+        ctx.labels = st["pl_labels"].to(ctx.feats.device)
+
+
+def pseudo_metrics(ctx: Context, data) -> dict:
+    """The pseudo-labels' accuracy against the true labels (a metric only: training never sees them)."""
+    if "sel_orig" not in ctx.state:  # round 0: no pseudo-labels yet
+        return {}
+    orig = ctx.state["sel_orig"].to(data.train_y.device)
+    truth = data.train_y[orig]
+    acc = (
+        float((ctx.state["pl_labels"].to(truth.device) == truth).double().mean()) * 100 if len(orig) else None
+    )
+    return {"pseudo_label_acc": acc, "pseudo_samples": int(len(orig))}
 
 
 def epoch_lr(p, rnd: int, epoch: int) -> float:
@@ -170,16 +211,11 @@ class FedCoPL(Method):
 
     # ------------------------------------------------------------------ pseudo-labels
     def round_begin(self, ctx: Context, rnd: int, glob: dict) -> None:
-        p = self.p
-        if (rnd - 1) % p.refresh == 0:
+        if (rnd - 1) % self.p.refresh == 0:
             self._refresh(ctx, rnd, glob)
-        st = ctx.state  # the selected layout (also after a resume: it is checkpointed state)
-        ctx.offsets = st["sel_offsets"].cpu()
-        ctx.feats = self.all_feats[st["sel_orig"].to(self.all_feats.device)]
+        apply_selection(ctx, self.all_feats, labels=False)
 
     def _refresh(self, ctx: Context, rnd: int, glob: dict) -> None:
-        from fedfeat import pseudolabel as pl
-
         seg = self.all_offsets
         owner = torch.repeat_interleave(torch.arange(ctx.n_clients), seg.diff()).to(ctx.device)
         if (
@@ -188,16 +224,7 @@ class FedCoPL(Method):
             z = ctx.clip_logit_scale * F.normalize(self.all_feats, dim=-1) @ ctx.text.T
         else:
             z = self._client_logits(ctx, glob, ctx.cache["train_pixels"], owner)
-        probs = torch.softmax(z.float(), dim=-1)
-        if self.p.pseudo == "copl":
-            from fedfeat import copl
-
-            sel = copl.CoPL(round_index=(rnd - 1) // self.p.refresh)(probs, seg)
-        else:
-            sel = pl.make_pseudo_labeller("fpl", k=self.p.pseudo_k)(probs, seg)
-        ctx.state["sel_orig"] = sel.rows.to(ctx.device)
-        ctx.state["sel_offsets"] = sel.offsets
-        ctx.state["pl_labels"] = sel.candidates.float().argmax(1).to(ctx.device)
+        select(ctx, torch.softmax(z.float(), dim=-1), seg, self.p, (rnd - 1) // self.p.refresh)
 
     # ------------------------------------------------------------------ local update
     def local_params(self, ctx: Context, plan: RoundPlan) -> dict:
@@ -284,13 +311,38 @@ class FedCoPL(Method):
         return accs
 
     def round_metrics(self, ctx: Context, data, glob: dict, ev: dict) -> dict:
-        if "sel_orig" not in ctx.state:  # round 0: no pseudo-labels yet
-            return {}
-        orig = ctx.state["sel_orig"].to(data.train_y.device)
-        truth = data.train_y[orig]
-        pl_acc = (
-            float((ctx.state["pl_labels"].to(truth.device) == truth).double().mean()) * 100
-            if len(orig)
-            else None
-        )
-        return {"pseudo_label_acc": pl_acc, "pseudo_samples": int(len(orig))}
+        return pseudo_metrics(ctx, data)
+
+
+@dataclass(frozen=True)
+class CoPLLinearParams(LinearHeadParams):
+    refresh: int = 5  # Q: pseudo-labels refreshed every Q rounds from the current head (FedCoPL's Q)
+    pseudo: Literal["copl", "fpl"] = "copl"  # the pseudo-labeller (fedfeat.copl / fedfeat.pseudolabel)
+    pseudo_k: int = 16  # FPL's k
+
+    def validate(self) -> None:
+        if self.refresh < 1 or self.pseudo_k < 1:
+            raise FedfeatError(f"refresh and pseudo_k must be >= 1, got {self.refresh} and {self.pseudo_k}")
+
+
+@register
+class CoPLLinear(FedAvg):
+    """CoPL + a linear head on cached features (FedCoPL's plug-and-play claim, the fast path): FedAvg on pseudo-labels."""
+
+    name = "copl-linear"
+    Params = CoPLLinearParams
+    uses_labels = False  # the engine never hands it the true labels; it trains on its own pseudo-labels
+    shardable = True
+
+    def setup(self, ctx: Context) -> None:
+        self.all_offsets, self.all_feats = ctx.offsets.clone(), ctx.feats
+
+    def round_begin(self, ctx: Context, rnd: int, glob: dict) -> None:
+        if (rnd - 1) % self.p.refresh == 0:
+            with torch.no_grad():  # the current head at CLIP's scale (round 1: W = T, zero-shot CLIP)
+                z = ctx.clip_logit_scale * (self.all_feats @ glob["W"].T + glob["b"])
+            select(ctx, torch.softmax(z.float(), -1), self.all_offsets, self.p, (rnd - 1) // self.p.refresh)
+        apply_selection(ctx, self.all_feats, labels=True)
+
+    def round_metrics(self, ctx: Context, data, glob: dict, ev: dict) -> dict:
+        return pseudo_metrics(ctx, data)
