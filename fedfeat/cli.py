@@ -134,7 +134,13 @@ def partition(
     export: Optional[Path] = typer.Option(
         None, "--export", help="Write each client's sample indices to JSON."
     ),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Draw the client x class count heatmap (PNG)."),
+    plot: Optional[Path] = typer.Option(
+        None, "--plot", help="Draw the client x class counts (.png, .pdf or .svg; the view: --view)."
+    ),
+    view: str = typer.Option(
+        "heatmap",
+        help="--plot's view: heatmap (counts), percent (each client's class shares) or bars (stacked).",
+    ),
     save: bool = typer.Option(
         True,
         help="Store the partition under the store's partitions/ (for reuse); --no-save computes it in "
@@ -157,6 +163,7 @@ def partition(
         stats=stats,
         export=export,
         plot=plot,
+        view=view,
         save=save,
     )
 

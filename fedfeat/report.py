@@ -177,11 +177,14 @@ def partition_command(
     stats: bool,
     export: Path | None,
     plot: Path | None,
+    view: str = "heatmap",
     save: bool,
 ) -> None:
     """``fedfeat partition``: compute, store, describe, export and plot a partition."""
     from fedfeat import partition as P
 
+    if view not in ("heatmap", "percent", "bars"):
+        raise FedfeatError(f"unknown --view '{view}'; choose heatmap, percent or bars")
     for flag, target in (("--export", export), ("--plot", plot)):  # before any work or any write
         if target is not None and not Path(target).parent.is_dir():
             raise FedfeatError(
@@ -223,9 +226,9 @@ def partition_command(
             P.to_json(part, export)
             con.print(f"exported client indices to {export}")
         if plot is not None:
-            from fedfeat.plots import plot_partition_heatmap
+            from fedfeat.plots import plot_partition
 
-            plot_partition_heatmap(counts, st.class_names, plot, title=key)
+            plot_partition(counts, st.class_names, plot, view=view, title=key)
             con.print(f"plot: {plot}")
     except OSError as e:
         raise storage_error(e, e.filename or export or plot, "writing the export/plot") from None

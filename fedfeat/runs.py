@@ -981,6 +981,8 @@ def report(
     if not runs:
         return _unfinished_table(unfinished, fmt)
     if seeds:
+        if plot is not None:
+            seed_figure([(s, m) for s, m, _ in runs], plot)
         return seed_table([s for s, _, _ in runs], fmt)
     if fmt == "json":  # the runs' summaries, plain numbers
         return json.dumps([{**s, "path": str(q)} for s, _, q in runs], indent=1)
@@ -1063,6 +1065,38 @@ SEED_METRICS = {"final_acc": "final acc", "best_acc": "best acc", "novel_precisi
                 "novel_recall": "novel R", "novel_f1": "novel F1", "base_acc": "base acc", "hm": "HM",
                 "many_acc": "many", "medium_acc": "medium", "few_acc": "few",
                 "pseudo_label_acc": "pseudo-label acc", "local_acc": "local acc"}  # fmt: skip
+
+
+def seed_figure(runs: list[tuple[dict, list[dict]]], path: Path) -> None:
+    """A paper's figure of seed-grouped runs: one panel per partition, each setting's mean curve with a ± std band
+    over its seeds (``fedfeat.plots.plot_seed_curves``), labelled like the seed table (the method and its settings
+    that differ from the method's defaults), the zero-shot level as a dashed line (from the ``zeroshot`` runs, which
+    are not drawn as curves); long-tailed runs add rows of panels for many / medium / few."""
+    from fedfeat.plots import plot_seed_curves
+
+    zs = [(s, m) for s, m in runs if s["method"] == "zeroshot"]
+    others = [(s, m) for s, m in runs if s["method"] != "zeroshot"] or zs
+    reference = {s["partition"]: s["final_acc"] for s, _ in zs} if zs and others is not zs else None
+    metrics = ["test_acc"]
+    if any("many_acc" in s for s, _ in others):
+        metrics += ["many_acc", "medium_acc", "few_acc"]
+    grouped: dict[tuple, list] = {}
+    for s, m in others:
+        defaults = _method_defaults(s["method"])
+        changed = " ".join(f"{k}={v}" for k, v in s["params"].items() if defaults.get(k, v) != v)
+        key = (s["method"] + (f" {changed}" if changed else ""), s["partition"], s.get("store_fingerprint"),
+               s["rounds"])  # fmt: skip
+        grouped.setdefault(key, []).append(m)
+    groups = []
+    for (label, panel, _, _), ms in grouped.items():
+        rounds = sorted(
+            set.intersection(*[{r["round"] for r in m if r.get("test_acc") is not None} for m in ms])
+        )
+        by_round = [{r["round"]: r for r in m} for m in ms]
+        runs_of = {k: [[br[r].get(k) for r in rounds] for br in by_round] for k in metrics}
+        groups.append({"label": label, "panel": panel, "rounds": rounds,
+                       "runs": runs_of["test_acc"] if len(metrics) == 1 else runs_of})  # fmt: skip
+    plot_seed_curves(groups, path, reference=reference, metric=metrics[0] if len(metrics) == 1 else metrics)
 
 
 def seed_groups(summaries: list[dict]) -> list[dict]:

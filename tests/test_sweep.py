@@ -156,3 +156,24 @@ def test_crossed_cell_axes_with_cell_params():
     )
     demo = sw.expand(**sw.read_grid(Path(__file__).resolve().parents[1] / "configs" / "demo.toml"))
     assert len(demo) == 2 * 6 * 5  # make demo: partitions x methods x seeds
+
+
+def test_seed_figure_and_partition_views(store, tmp_path):
+    args = ["--store", str(store), "--method", "zeroshot,fedavg", "--seed", "0-2", "--clients", "10",
+            "--participation", "0.5", "--rounds", "2", "--partition", "shard"]  # fmt: skip
+    assert runner.invoke(app, ["sweep", *args, "--out", str(tmp_path / "r"), "--quiet"]).exit_code == 0
+    fig = tmp_path / "curves.svg"
+    r = runner.invoke(app, ["report", str(tmp_path / "r"), "--seeds", "--plot", str(fig)])
+    assert r.exit_code == 0, r.output
+    svg = fig.read_text()
+    assert "<svg" in svg and "fedavg (n=3)" in svg and "zero-shot" in svg and "zeroshot (n=3)" not in svg
+    for view in ("heatmap", "percent", "bars"):
+        out = tmp_path / f"p-{view}.pdf"
+        r = runner.invoke(app, ["partition", str(store), "--scheme", "shard", "--clients", "10", "--no-save",
+                                "--plot", str(out), "--view", view])  # fmt: skip
+        assert r.exit_code == 0, r.output
+        assert out.read_bytes().startswith(b"%PDF")
+    bad = runner.invoke(
+        app, ["partition", str(store), "--no-save", "--plot", str(tmp_path / "x.png"), "--view", "pie"]
+    )
+    assert bad.exit_code == 2 and "unknown --view 'pie'" in bad.output
