@@ -50,6 +50,7 @@ def main() -> None:
             "bench_prompt.py",
             "bench_round.py",
             "bench_fedcopl.py",
+            "bench_sweep.py",
         ):
             path = ROOT / "bench" / script
             if path.exists():

@@ -98,6 +98,21 @@ def _capture_ctx(monkeypatch):
     monkeypatch.setattr(fedcopl.FedCoPL, "setup", setup)
 
 
+def test_a_round_trains_only_the_prompts(stores):
+    """After a round the encoder is bit-identical and frozen; the visual prompt and every client's text context
+    moved."""
+    data = _data(stores["px"])
+    before = {k: v.clone() for k, v in data.live.model.state_dict().items()}
+    m = get_method("fedcopl", FAST)
+    g, _ = run_federated(m, data, rounds=1, participation=1.0, seed=0)
+    ctx = _STATE.pop("ctx")
+    assert all(torch.equal(before[k], v) for k, v in data.live.model.state_dict().items())
+    assert not any(p.requires_grad for p in data.live.model.parameters())
+    assert not torch.allclose(g["vpt"], m.init["vpt"])
+    moved = (ctx.state["client_text"] - m.init["text"]).abs().flatten(1).amax(1)
+    assert bool((moved > 0).all())
+
+
 def test_local_accuracy_is_each_clients_own_model(stores):
     """local_acc = mean over clients of the accuracy of (global visual prompt, the client's own text context) on
     its local test rows, recomputed here from the method's encoders."""
