@@ -538,17 +538,17 @@ def _train_sharded(cfg, method, resume, overwrite, checkpoint_every, save_partit
     from fedfeat.encode import _init_dist
     from fedfeat.engine import run_federated
 
-    if not _DIST:
-        _DIST.append(_init_dist(True, cfg.device))
-    dist_ctx, device = _DIST[0]
     if resume is not None:
         raise FedfeatError("--resume continues a run in one process; resume it without torchrun")
-    kernel = resolve_kernel(cfg.kernel, method, cfg.engine, device)
     if not type(method).__dict__.get("shardable", False):
         raise FedfeatError(
             f"method {method.name} cannot be sharded across processes (per-sample state updated in local "
             "training); run it in one process"
         )
+    if not _DIST:
+        _DIST.append(_init_dist(True, cfg.device))
+    dist_ctx, device = _DIST[0]
+    kernel = resolve_kernel(cfg.kernel, method, cfg.engine, device)
     if dist_ctx.rank == 0:
         try:
             return train(cfg, overwrite=overwrite, checkpoint_every=checkpoint_every,
