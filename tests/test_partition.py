@@ -436,7 +436,7 @@ def test_property_every_scheme_exactly_once(labels, seed, scheme, data):
     if data.draw(st.booleans()):  # leave a class id with no samples
         labels = labels[labels != data.draw(st.integers(0, int(labels.max()) - 1))]
     n_cls = int(labels.max()) + 1
-    factor = data.draw(st.sampled_from([None, 1.5, 20]))
+    factor = None if scheme == "dirichlet-joint" else data.draw(st.sampled_from([None, 1.5, 20]))
     kept = P.longtail(labels, factor, seed) if factor else np.arange(len(labels))
     n_kept, present = len(kept), len(np.unique(labels[kept]))
     if scheme == "shard":
@@ -448,10 +448,13 @@ def test_property_every_scheme_exactly_once(labels, seed, scheme, data):
         clients = data.draw(st.integers(1, n_cls - 1))
     else:
         kw = {} if scheme == "iid" else {"alpha": data.draw(st.floats(0.05, 5))}
+        if scheme == "dirichlet-joint":  # FedCoPL: the test split is cut with the same draws
+            kw["test_labels"] = labels[::-1].copy()
         low, high = {
             "iid": (1, n_kept),
             "dirichlet": (1, n_kept // 20),
             "dirichlet-equal": (10, n_kept // 3),
+            "dirichlet-joint": (1, n_kept // 20),
         }[scheme]
         clients = data.draw(st.integers(low, max(low, high)))
     try:
@@ -461,6 +464,9 @@ def test_property_every_scheme_exactly_once(labels, seed, scheme, data):
         assume(False)
     held = np.concatenate(p.clients)
     assert len(np.unique(held)) == len(held)
+    if scheme == "dirichlet-joint":  # every test sample of a class some client holds, once
+        t = np.concatenate([np.asarray(c, dtype=np.int64) for c in p.params["test_clients"]])
+        assert len(np.unique(t)) == len(t) == len(labels)
     assert set(held.tolist()) <= set(kept.tolist())
     if scheme == "iid":
         assert len(held) == len(kept) - len(kept) % clients
