@@ -205,6 +205,12 @@ def register(app: typer.Typer) -> None:
             "--seeds",
             help="One row per group of runs that differ only in --seed: mean ± std (sample, n - 1) and n.",
         ),
+        best: bool = typer.Option(
+            False,
+            "--best",
+            help="Per method and partition, only the settings with the best mean: on val_acc where runs record a "
+            "validation accuracy, else on the test split's final accuracy (the table says which).",
+        ),
     ) -> None:
         """Compare finished runs: a table (markdown/CSV) and one plot with all curves.
 
@@ -212,7 +218,9 @@ def register(app: typer.Typer) -> None:
         from fedfeat.runs import report as make_report
 
         warn = lambda msg: typer.echo(msg, err=True)  # noqa: E731
-        typer.echo(make_report(runs, fmt=fmt, plot=plot, all_runs=all_runs, seeds=seeds, warn=warn))
+        typer.echo(
+            make_report(runs, fmt=fmt, plot=plot, all_runs=all_runs, seeds=seeds, best=best, warn=warn)
+        )
         if plot is not None:
             typer.echo(f"plot: {plot}")
 

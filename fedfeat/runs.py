@@ -950,11 +950,15 @@ def report(
     plot: Path | None = None,
     all_runs: bool = False,
     seeds: bool = False,
+    best: bool = False,
     warn=None,
 ) -> str:
     """A comparison table of finished runs (markdown or CSV) and, optionally, all their curves in one PNG.
 
     ``seeds``: one row per group of runs that differ only in ``--seed``: mean ± sample std (n - 1) and n.
+    ``best``: per method, partition and store, only the settings with the best mean selection metric -- the
+    validation accuracy (``val_acc``) where the runs record one, else the final test accuracy, said loudly in the
+    table's first line (selecting on the test split is optimistic).
 
     A path is a run directory or a parent of run directories; hidden entries (runs being written, temporary
     files) are never read as runs. A run that cannot be read is skipped with a one-line warning (``warn``); the
@@ -980,6 +984,9 @@ def report(
         warn(f"warning: {msg}")
     if not runs:
         return _unfinished_table(unfinished, fmt)
+    if best:
+        runs, note = _best_settings(runs)
+        return note + "\n\n" + seed_table([s for s, _, _ in runs], fmt)
     if seeds:
         if plot is not None:
             seed_figure([(s, m) for s, m, _ in runs], plot)
@@ -1065,6 +1072,30 @@ SEED_METRICS = {"final_acc": "final acc", "best_acc": "best acc", "novel_precisi
                 "novel_recall": "novel R", "novel_f1": "novel F1", "base_acc": "base acc", "hm": "HM",
                 "many_acc": "many", "medium_acc": "medium", "few_acc": "few",
                 "pseudo_label_acc": "pseudo-label acc", "local_acc": "local acc"}  # fmt: skip
+
+
+def _best_settings(runs: list) -> tuple[list, str]:
+    """Keep, per (method, partition, store, rounds, clients, participation), the runs of the settings group whose
+    mean selection metric is highest."""
+    metric = "val_acc" if runs and all(s.get("val_acc") is not None for s, _, _ in runs) else "final_acc"
+    by_group: dict[tuple, dict[str, list]] = {}
+    for r in runs:
+        s = r[0]
+        defaults = _method_defaults(s["method"])
+        changed = " ".join(f"{k}={v}" for k, v in s["params"].items() if defaults.get(k, v) != v) or "-"
+        outer = (s["method"], s["partition"], s.get("store_fingerprint"), s["rounds"], s.get("clients"),
+                 s.get("participation"))  # fmt: skip
+        by_group.setdefault(outer, {}).setdefault(changed, []).append(r)
+    kept = []
+    for settings in by_group.values():
+        kept += max(settings.values(), key=lambda rs: float(np.mean([r[0][metric] for r in rs])))
+    note = (
+        "best settings selected on the validation accuracy (val_acc)"
+        if metric == "val_acc"
+        else "best settings selected on the TEST split's final accuracy (these runs record no validation "
+        "accuracy): optimistic, do not report it as a held-out result"
+    )
+    return kept, note
 
 
 def seed_figure(runs: list[tuple[dict, list[dict]]], path: Path) -> None:

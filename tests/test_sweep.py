@@ -177,3 +177,18 @@ def test_seed_figure_and_partition_views(store, tmp_path):
         app, ["partition", str(store), "--no-save", "--plot", str(tmp_path / "x.png"), "--view", "pie"]
     )
     assert bad.exit_code == 2 and "unknown --view 'pie'" in bad.output
+
+
+def test_report_best_selects_per_method_and_says_on_what(store, tmp_path):
+    args = ["--store", str(store), "--method", "fedavg", "--seed", "0,1", "--clients", "10", "--participation", "0.5",
+            "--rounds", "2", "--partition", "shard", "--set", "lr=0.001,0.5"]  # fmt: skip
+    assert runner.invoke(app, ["sweep", *args, "--out", str(tmp_path / "r"), "--quiet"]).exit_code == 0
+    full = json.loads(
+        runner.invoke(app, ["report", str(tmp_path / "r"), "--seeds", "--format", "json"]).output
+    )
+    best = max(full, key=lambda g: g["metrics"]["final_acc"]["mean"])
+    r = runner.invoke(app, ["report", str(tmp_path / "r"), "--best"])
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith("best settings selected on the TEST split's final accuracy")
+    rows = [x for x in r.output.splitlines() if x.startswith("| fedavg")]
+    assert len(rows) == 1 and f"| {best['settings']} |" in rows[0]
