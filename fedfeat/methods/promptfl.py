@@ -89,7 +89,7 @@ class PromptParams:
 
 @dataclass(frozen=True)
 class PromptFLParams(PromptParams):
-    pseudo: Literal["none", "fpl", "cpl"] = "none"  # none: labelled PromptFL; fpl / cpl: unsupervised
+    pseudo: Literal["none", "fpl", "cpl", "copl"] = "none"  # none: labelled; fpl / cpl / copl: unsupervised
     pseudo_k: int = 16  # FPL / CPL N_PSEUDOSHOTS: pseudo-labelled samples kept per class (per client here)
     conf_quantile: float = (
         60.0  # CPL CONF_QUANTILE: textual_fpl_config_PLL.yml (per dataset: pseudolabel.CPL_DEFAULTS)
@@ -120,10 +120,15 @@ def pseudo_label(ctx: Context, how: str, p) -> None:
     params = {"k": p.pseudo_k}
     if how == "cpl":
         params |= {"conf_quantile": p.conf_quantile, "regular_threshold": p.regular_threshold}
-    sel = pl.make_pseudo_labeller(how, **params)(probs, ctx.offsets)  # a fedfeat.pseudolabel.Selection
+    if how == "copl":  # FedCoPL's cooperative pseudo-labels (fedfeat.copl), once from zero-shot CLIP
+        from fedfeat import copl
+
+        sel = copl.CoPL(round_index=0)(probs, ctx.offsets)
+    else:
+        sel = pl.make_pseudo_labeller(how, **params)(probs, ctx.offsets)  # a fedfeat.pseudolabel.Selection
     rows = sel.rows
-    if how == "fpl":
-        ctx.state["pseudo_labels"] = sel.labels
+    if how in ("fpl", "copl"):
+        ctx.state["pseudo_labels"] = sel.candidates.float().argmax(1)
     else:
         ctx.state["pseudo_candidates"] = sel.candidates
     ctx.offsets = sel.offsets
@@ -232,7 +237,7 @@ class PromptFL(PromptMethod):
         rows = ctx.state["pseudo_rows"]
         truth = data.train_y[rows.to(data.train_y.device)]
         out = {"pseudo_samples": len(rows)}
-        if self.pseudo == "fpl":
+        if self.pseudo in ("fpl", "copl"):
             out["pseudo_label_acc"] = 100 * float(
                 (ctx.state["pseudo_labels"].to(truth.device) == truth).double().mean()
             )
