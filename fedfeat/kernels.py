@@ -651,13 +651,17 @@ def _synthetic_classes(n_k, cid, key):
 
 
 @nb.njit
-def _synthetic_step(cls_all, S, s, cid, key, cls, sign):
+def _synthetic_step(cls_all, S, s, cid, key, cls, sign, every):
     """Step ``s`` of ``S`` gets the ranks ``ceil(s J / S) .. ceil((s+1) J / S) - 1`` of the epoch's ``J``
-    synthetic samples (spread evenly); writes their classes and random signs (keyed by client id, step, slot)
-    and returns how many there are."""
+    synthetic samples (spread evenly), or all ``J`` of them when ``every`` (``synthetic_draw=iteration``: a
+    fresh set each step, its noise from the step's bank); writes their classes and random signs (keyed by client
+    id, step, slot) and returns how many there are."""
     J = cls_all.shape[0]
-    r0 = (s * J + S - 1) // S
-    n = (((s + 1) * J + S - 1) // S) - r0
+    if every:
+        r0, n = 0, J
+    else:
+        r0 = (s * J + S - 1) // S
+        n = (((s + 1) * J + S - 1) // S) - r0
     for t in range(n):
         cls[t] = cls_all[r0 + t]
         sign[t] = 1.0 if _uniform_key(key, (cid * (1 << 16) + s) * (1 << 20) + t) & 1 else -1.0
@@ -675,6 +679,8 @@ def _fst_client(
     lr, mom, wd, scale, beta, lam, sig, zero = hp[0], hp[1], hp[2], hp[3], hp[4], hp[5], hp[6], hp[9]
     st = hp[7] != 0
     renorm = hp[8] != 0
+    syn_sum = hp[10] != 0  # synthetic_loss=sum: lam * the sum of the step's synthetic CE, not their mean
+    every = hp[11] != 0  # synthetic_draw=iteration
     gW, gb, Z, G, X, lse, cls, sign = scr[0], scr[1], scr[2], scr[4], scr[5], scr[6], scr[7], scr[8]
     Wj, bj = W[j], b[j]
     n_j = sizes[j]
@@ -707,9 +713,10 @@ def _fst_client(
                     for k in range(K):
                         gb[k] += G[t, k]
         loss = lsum / c
-        cs = _synthetic_step(syn_all, S_j, s, cids[j], key_sign, cls, sign)
-        if cs > 0:  # this step's synthetic samples: lam * mean CE with their class labels
-            scoef = lam * scale / cs
+        cs = _synthetic_step(syn_all, S_j, s, cids[j], key_sign, cls, sign, every)
+        if cs > 0:  # this step's synthetic samples: lam * mean (or sum) CE with their class labels
+            div = 1 if syn_sum else cs
+            scoef = lam * scale / div
             ssum = 0.0
             for p0 in range(0, cs, 4):
                 n = min(4, cs - p0)
@@ -728,7 +735,7 @@ def _fst_client(
                     _acc4(gW, G, X, 0, 1, 2, 3, zero, None, None)
                 else:
                     _acc_tail(gW, G, X, _IOTA, 0, n, zero)
-            loss += lam * ssum / cs
+            loss += lam * ssum / div
         _sgd(Wj, bj, mWj, mbj, gW, gb, lr, mom, wd)
         loss_out[s, j] = loss
 
@@ -815,7 +822,7 @@ def linear_epoch(
 def fst_epoch(
     feats, starts, sizes, B, key, q, W, b, mW, mb, Wg, bg, text, n_k, cids, key_order, key_sign, bank, *, lr,
     momentum, weight_decay, logit_scale, beta, lam, sigma, self_training, renormalize, loss_out, threads: int,
-    init: bool = False, one_epoch: bool = False,
+    init: bool = False, one_epoch: bool = False, syn_sum: bool = False, syn_every_step: bool = False,
 ) -> None:  # fmt: skip
     """One local epoch of FST-CBDG for clients ``0..m-1``, in place (``fedfeat.methods.fst_cbdg``).
 
@@ -825,10 +832,14 @@ def fst_epoch(
     ``key_order`` and spread over the client's steps, random signs from ``key_sign`` (``cids [m]`` client ids:
     the draws are keyed by client, not by slot), noise rows ``bank [S, P, D]`` (row p for a step's p-th
     sample; P >= the most samples of any step); ``sigma`` in feature units (already divided by sqrt(D)).
+    ``syn_sum``: the synthetic term is ``lam`` * the step's summed CE (Eq. 6) instead of its mean;
+    ``syn_every_step``: every step uses all of the client's ``sum(n_k)`` samples (noise from its own bank rows)
+    instead of its share of the epoch's (``synthetic_draw=iteration``).
     """
     hp, workers = _prepare(
         "fst_epoch", W, (feats, q, b, mW, mb, Wg, bg, text, bank),
-        [lr, momentum, weight_decay, logit_scale, beta, lam, sigma, float(self_training), float(renormalize), 0.0],
+        [lr, momentum, weight_decay, logit_scale, beta, lam, sigma, float(self_training), float(renormalize), 0.0,
+         float(syn_sum), float(syn_every_step)],
         threads,
     )  # fmt: skip
     _fst_epoch(

@@ -9,7 +9,31 @@ Each client trains the linear head on its *unlabelled* cached features with (Alg
 * **class-balanced data generation**: with ``m_k`` = hard pseudo-label counts (argmax q) of the client at the
   start of its local update, ``n_k = (1 + gamma) max_k m_k - m_k`` (Eq. 7) synthetic features per class are
   drawn from ``N(T_k, sigma^2 I)`` (Eq. 5) around the class text prototype, once per local epoch, shuffled
-  and spread evenly over the epoch's iterations, with one-hot labels; loss weight ``lam`` (Eq. 8).
+  and spread evenly over the epoch's iterations, with one-hot labels; loss weight ``lam`` (Eq. 8);
+* **aggregation**: the plain mean of the sampled clients' heads (``aggregation=mean``, below).
+
+Fidelity switches (issue 16; each a hyperparameter, the earlier behaviour kept as a value):
+
+* ``aggregation`` -- ``mean`` (default): ``W <- E_c[W_c]``, the unweighted mean over the round's sampled clients
+  (Algorithm 1 line 22; §3.1: "we adopt the simple average aggregation procedure of FedAvg"); a sampled client
+  with no samples trains nothing and is left out of the mean. ``weighted``: FedAvg weighted by client size
+  (fedfeat's default before issue 16).
+* ``synthetic_loss`` -- ``mean`` (default): each iteration adds ``lam`` * the *mean* CE over that iteration's
+  synthetic samples of the client; ``sum``: ``lam`` * their *sum* (Eq. 6 is written
+  ``L_tSamp = -sum_k sum_{j <= n_k} 1_k . log f(z_kj)``), i.e. ``mean`` times the iteration's synthetic count.
+  Eq. 6 is a sum, but Eq. 3 (``L_iST``) is an expectation over the images and Eq. 8 weighs the two with
+  ``lam = 1``: summed literally over ``sum_k n_k`` samples (hundreds to thousands per client under label skew)
+  the real-sample term would be negligible, and papers commonly write sums for losses their code averages
+  (PyTorch's default reduction). With no code to settle it, ``mean`` stays the default; ``sum`` is the letter
+  of Eq. 6.
+* ``synthetic_draw`` -- ``epoch`` (default): the ``sum_k n_k`` samples are drawn once per local epoch and spread
+  over its iterations (each sample used once per epoch). ``iteration``: Algorithm 1 line 16 ("Sample synthetic
+  instances according to Equation (5) and (7)") inside the per-iteration loop, read literally: every iteration
+  draws a fresh full class-balanced set, ``n_k`` samples of every class (so ``S`` times as many synthetic samples
+  per epoch). Both values have the fused CPU kernel.
+* ``n_k`` of Eq. 7 is an integer only when ``gamma max_k m_k`` is; fedfeat takes ``floor((1 + gamma) max_k m_k
+  - m_k)`` (``balanced_counts``) where rounding would be as defensible (the paper does not say; with the
+  default ``gamma = 0`` every value is an integer and the two agree). No switch.
 
 fedfeat's readings where the paper is silent (reference-notes.md, "fedfeat's reading"): L2-normalised image
 and text features, ``W0 = T``, ``b0 = 0``, ``logit_scale = 1`` (Eq. 2 has no temperature; 100 is the switch);
@@ -41,7 +65,16 @@ import torch
 import torch.nn.functional as F
 
 from fedfeat import rng
-from fedfeat.engine import Context, RoundPlan, fused_batches, make_plan, masked_mean, plan_rows, round_buffer
+from fedfeat.engine import (
+    Context,
+    RoundPlan,
+    fedavg,
+    fused_batches,
+    make_plan,
+    masked_mean,
+    plan_rows,
+    round_buffer,
+)
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import register
 from fedfeat.methods.linear import LinearHead, LinearHeadParams
@@ -83,6 +116,13 @@ class FSTCBDGParams(LinearHeadParams):
     sampling: bool = True  # paper Table 3 ablation switch (false = self-training only)
     balance: Literal["class", "equal"] = "class"  # paper Table 4: class-balanced (Eq. 7) or equal sampling
     renormalize_synthetic: bool = False  # ours: project synthetic samples back onto the unit sphere
+    # Algorithm 1 line 22 (W <- E_c[W_c]) and §3.1 ("the simple average aggregation procedure of FedAvg"): mean;
+    # weighted = FedAvg by client size (fedfeat before issue 16)
+    aggregation: Literal["mean", "weighted"] = "mean"
+    # Eq. 6 sums CE over the synthetic samples (sum); mean = fedfeat's reading, kept (module docstring)
+    synthetic_loss: Literal["mean", "sum"] = "mean"
+    # Algorithm 1 line 16 draws a full n_k set every iteration (iteration); epoch = fedfeat's reading, kept
+    synthetic_draw: Literal["epoch", "iteration"] = "epoch"
 
     def validate(self) -> None:
         super().validate()
@@ -125,6 +165,17 @@ class FSTCBDG(LinearHead):
 
     def pseudo_labels(self, ctx: Context) -> torch.Tensor:
         return ctx.state["q"].argmax(1)
+
+    # ------------------------------------------------------------------ server side
+    def aggregate(self, ctx: Context, plan: RoundPlan, glob: dict, cparams: dict) -> dict:
+        """``aggregation=mean``: ``E_c[W_c]`` over the round's clients that hold samples (Algorithm 1 line 22);
+        ``weighted``: FedAvg by client size."""
+        if self.p.aggregation == "weighted":
+            return super().aggregate(ctx, plan, glob, cparams)
+        w = (plan.sizes > 0).to(torch.float64)
+        if not bool(w.any()):
+            w = torch.ones_like(w)
+        return fedavg(cparams, w.to(ctx.device))
 
     # ------------------------------------------------------------------ local update
     def local_begin(self, ctx: Context, plan: RoundPlan, glob: dict) -> dict:
@@ -172,15 +223,25 @@ class FSTCBDG(LinearHead):
         o2 = torch.argsort(seg[o1], stable=True)
         cls_sorted = cls[o1[o2]]  # grouped by client, shuffled within
         r = j  # rank within client after grouping
-        Jc, Sc = J[seg], S[seg]
-        step = r * Sc // Jc  # spread evenly: iteration of each sample
-        start = (step * Jc + Sc - 1) // Sc  # first rank of that iteration
-        slot = r - start
-        P = int(slot.max()) + 1
-        tab_cls = torch.zeros(Smax, m, P, dtype=torch.int64)
-        tab_mask = torch.zeros(Smax, m, P, dtype=torch.bool)
-        tab_cls[step, seg, slot] = cls_sorted
-        tab_mask[step, seg, slot] = True
+        if self.p.synthetic_draw == "iteration":  # every iteration: the whole set, slot = rank
+            P = int(J.max())
+            base_cls = torch.zeros(m, P, dtype=torch.int64)
+            base_mask = torch.zeros(m, P, dtype=torch.bool)
+            base_cls[seg, r] = cls_sorted
+            base_mask[seg, r] = True
+            live = torch.arange(Smax).view(Smax, 1) < S.view(1, m)  # [Smax, m] the client's own iterations
+            tab_cls = base_cls.expand(Smax, m, P).clone()
+            tab_mask = base_mask.unsqueeze(0) & live.unsqueeze(2)
+        else:
+            Jc, Sc = J[seg], S[seg]
+            step = r * Sc // Jc  # spread evenly: iteration of each sample
+            start = (step * Jc + Sc - 1) // Sc  # first rank of that iteration
+            slot = r - start
+            P = int(slot.max()) + 1
+            tab_cls = torch.zeros(Smax, m, P, dtype=torch.int64)
+            tab_mask = torch.zeros(Smax, m, P, dtype=torch.bool)
+            tab_cls[step, seg, slot] = cls_sorted
+            tab_mask[step, seg, slot] = True
         # independent random sign per (client, slot, step): keys from client id, not client slot
         sid = (plan.clients.view(1, m, 1) * (1 << 16) + torch.arange(Smax).view(Smax, 1, 1)) * (
             1 << 20
@@ -259,8 +320,11 @@ class FSTCBDG(LinearHead):
                 sign = syn["sign"][batch.step, :n, :P]
                 eps = self._noise(ctx, local["rnd"], batch.epoch, batch.step, P)  # [P, D]
                 zs = self.synthetic_logits(ctx, params, cls, sign, eps)  # [n, P, K]
-                ce = F.cross_entropy(zs.transpose(1, 2), cls, reduction="none")
-                loss = loss + p.lam * masked_mean(ce, smask)
+                ce = F.cross_entropy(zs.transpose(1, 2), cls, reduction="none")  # [n, P]
+                if p.synthetic_loss == "sum":  # Eq. 6 as written
+                    loss = loss + p.lam * (ce * smask.to(ce.dtype)).sum(1)
+                else:
+                    loss = loss + p.lam * masked_mean(ce, smask)
         return loss
 
     def fused_loss(self):
@@ -279,7 +343,10 @@ class FSTCBDG(LinearHead):
         n_k = local["n_k"]
         S = plan.steps
         J = n_k.sum(1)
-        P = int(((J + S - 1) // S).max()) if m else 0  # most synthetic samples of any client's step
+        if p.synthetic_draw == "iteration":  # every step holds the client's whole set
+            P = int(J.max()) if m else 0
+        else:  # most synthetic samples of any client's step
+            P = int(((J + S - 1) // S).max()) if m else 0
         if P:  # the steps' banks, drawn side by side straight into the kernel's array (memory kept across rounds)
             shape = (int(S.max()), bank_rows(P, D), D)
             like = torch.empty((), dtype=torch.float32)
@@ -302,7 +369,8 @@ class FSTCBDG(LinearHead):
             key_sign=rng.stream_key(ctx.seed, plan.rnd, epoch, rng.TAG_SYNTH_OFFSET), bank=bank,
             lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay, logit_scale=p.logit_scale,
             beta=p.beta, lam=p.lam, sigma=p.sigma / math.sqrt(D), self_training=p.self_training,
-            renormalize=p.renormalize_synthetic, loss_out=losses, threads=ctx.threads, init=epoch == 0,
+            renormalize=p.renormalize_synthetic, syn_sum=p.synthetic_loss == "sum",
+            syn_every_step=p.synthetic_draw == "iteration", loss_out=losses, threads=ctx.threads, init=epoch == 0,
             one_epoch=plan.epochs == 1,
         )  # fmt: skip
         return losses

@@ -30,12 +30,18 @@ fedfeat's readings and choices (reference-notes.md, "Mapping to a frozen-CLIP-fe
   them, so ``V`` is initialised as ``randn / sqrt(D)`` (same directions, norm ~ 1). ``feature_init=text``
   starts each class at its text prototype plus the same noise instead. lr 0.1 is kept: relative to the
   features' norm it is a larger step than the reference's (whose features are 22.6x longer).
+  ``feature_scale=reference`` (issue 16) keeps the reference's scale instead: the noise is plain ``randn``,
+  row norms ~ sqrt(D) (``main.py``: ``torch.randn(num_classes * num_of_feature, 512)``); the default ``unit``
+  is the ``/ sqrt(D)`` above.
 * **Server head** = plain ``x W^T + b`` (``nn.Linear``, no logit scale), as in the reference; the clients'
   FedAvg head is ``LinearHead``'s (``logit_scale`` 1, text init, the same as ``fedavg``'s, so that with the
   same client protocol ``creff``'s FedAvg head equals a ``fedavg`` run's; reported as ``fedavg_head_acc``).
   Round 0 evaluates that initial FedAvg head (no re-trained head exists yet).
-* **DSA** (differentiable augmentation of the real images before the gradients) cannot act on cached features
-  and is dropped: the real gradients are taken on the un-augmented cached features.
+* **Client-side augmentation cannot exist on cached features** and is dropped: DSA (differentiable Siamese
+  augmentation, ``dsa_strategy = color_crop_cutout_flip_scale_rotate``, applied to the real images before
+  ``compute_gradient``'s per-class gradients) -- the real gradients are taken on the un-augmented cached
+  features; and the student's ``RandomCrop(32, padding=4)`` + ``RandomHorizontalFlip`` in local training
+  (each local step sees the same cached feature of an image).
 * **Gradient averaging**: the uniform per-class mean over clients of the reference (and Eq. 4) is the method;
   CReFF's clients already average over their samples, so a client with 3 samples of a class counts as much as
   one with 300. That is kept (it defines CReFF), and said here rather than "fixed".
@@ -375,6 +381,9 @@ class CReFFParams(LinearHeadParams):
     templates: Literal["first", "ensemble"] = "first"  # main.py: one prompt, f"a photo of a {c}"
     num_features: int = 100  # options.py num_of_feature (m per class); paper: "100 ... for each class"
     feature_init: Literal["randn", "text"] = "randn"  # ours: options' randn scaled to unit norm (/ sqrt D)
+    # the init noise's scale: unit = randn / sqrt(D) (ours, norm ~ 1 like cached features); reference = plain
+    # randn, norm ~ sqrt(D) (CLIP2FL main.py: torch.randn(num_classes * num_of_feature, 512))
+    feature_scale: Literal["unit", "reference"] = "unit"
     match_steps: int = 100  # options.py match_epoch (README: --match_epoch 100)
     lr_feature: float = 0.1  # options.py lr_feature (plain SGD on the features)
     match_rows: Literal["sum", "mean"] = "sum"  # Gradient_matching_loss.py sums over rows; paper Eq. 6: mean
@@ -407,7 +416,9 @@ class CReFF(LinearHead):
     def setup(self, ctx: Context) -> None:
         p, K, D, dt = self.p, ctx.K, ctx.D, ctx.feats.dtype
         g = rng.generator(ctx.seed, 0, TAG_FEAT_INIT)
-        V = torch.randn(K * p.num_features, D, generator=g).to(dt) / math.sqrt(D)  # [K*m, D]
+        V = torch.randn(K * p.num_features, D, generator=g).to(dt)  # [K*m, D]
+        if p.feature_scale == "unit":
+            V = V / math.sqrt(D)
         if p.feature_init == "text":
             V = V + ctx.text.cpu().to(dt).repeat_interleave(p.num_features, 0)
         W, b = linear_init(K, D, rng.generator(ctx.seed, 0, TAG_HEAD_INIT))
