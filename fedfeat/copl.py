@@ -29,7 +29,6 @@ import torch
 from fedfeat.errors import FedfeatError
 from fedfeat.pseudolabel import (
     EPS,
-    PSEUDO_LABELLERS,
     Selection,
     _check_probs,
     _check_segments,
@@ -283,9 +282,9 @@ class CoPL:
         return copl_select(probs, segments, budget)
 
 
-# The registry lives in pseudolabel.py (not edited here, and it cannot import this module without a cycle): once
-# ``fedfeat.copl`` is imported, ``make_pseudo_labeller("copl", ...)`` works.
-PSEUDO_LABELLERS.setdefault("copl", CoPL)
+# Not registered in ``pseudolabel.PSEUDO_LABELLERS`` from here: mutating that dict on import would make the
+# registry depend on import order (tests/test_pseudolabel.py expects "copl" to be unknown there). The owner of
+# pseudolabel.py can add the entry with a lazy import; until then use ``CoPL(...)`` directly.
 
 __all__ = [
     "CONF_QUANTILE",
