@@ -1,0 +1,391 @@
+"""Stacked runs: several runs of one linear-head method as one batched program along a run axis.
+
+A sweep's runs that read the same data (same store, partition, ``normalize`` / ``templates`` and batch
+geometry: ``batch_size``, ``local_epochs``, ``rounds``) but differ in their seed (client sampling, shuffles, the
+method's own draws), participation or hyperparameters are made together: every run's round plan (its sampled
+clients, their shuffled mini-batches, FST-CBDG's synthetic tables and noise) is exactly the one its own run would
+make, and the ``R`` runs' clients become ``R x m`` *virtual clients* of one round program -- one gather, one
+batched product, one optimizer step per local step for all runs, one evaluation product per round for all runs.
+What differs between runs rides along as per-virtual-client tensors (learning rate, momentum, weight decay,
+logit scale, FedProx's ``mu``, FST-CBDG's ``beta`` / ``lam`` / ``sigma`` / ``self_training``); per-sample state
+(FST-CBDG's soft labels) gets a run axis ``[R, N, K]``.
+
+Stacked results equal the runs made one by one with the torch program (``tests/test_stack.py``: weights and
+metrics <= 1e-5). The stacked program is the torch program (the fused CPU kernels run one run at a time), so a
+stack pays off where per-run overhead dominates: short local updates, many runs, a GPU (BENCHMARKS.md, "Stacked
+runs"). Each run's ``train_seconds`` is the stacked round's time divided by ``R``.
+
+Stackable methods: ``fedavg``, ``fedprox``, ``fst-cbdg`` (``STACKABLE``). Other methods, and runs that differ in
+what shapes the data (``SHAPE_KEYS``), are made one by one (``fedfeat.sweep`` groups them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fedfeat.engine import (
+    Context,
+    RunData,
+    build_context,
+    check_finite,
+    epoch_tables,
+    make_plan,
+    masked_mean,
+    param_bytes,
+)
+from fedfeat.errors import FedfeatError
+from fedfeat.methods.linear import batched_linear
+
+STACKABLE = ("fedavg", "fedprox", "fst-cbdg")
+SHAPE_KEYS = ("batch_size", "local_epochs", "normalize", "templates", "renormalize_synthetic")
+
+
+def stack_key(method, extra: tuple = ()) -> tuple | None:
+    """Runs with equal keys can be stacked (None: this method cannot)."""
+    if method.name not in STACKABLE:
+        return None
+    return (method.name, *(getattr(method.p, k, None) for k in SHAPE_KEYS), *extra)
+
+
+def _per_run(ms, name: str, default: float = 0.0) -> torch.Tensor:
+    return torch.tensor([float(getattr(m.p, name, default)) for m in ms], dtype=torch.float64)
+
+
+@dataclasses.dataclass
+class _Round:
+    """The virtual clients of one round: run ``vrun``, slot ``vslot`` in that run's plan, client ``vclient``."""
+
+    plans: list
+    vrun: torch.Tensor  # [V]
+    vslot: torch.Tensor  # [V]
+    steps: torch.Tensor  # [V] descending
+    where: list  # per run: [m_r] virtual index of each of its plan slots
+
+    def active(self, s: int) -> int:
+        return int((self.steps > s).sum())
+
+
+def _virtual(plans) -> _Round:
+    vrun = torch.cat([torch.full((p.m,), r, dtype=torch.int64) for r, p in enumerate(plans)])
+    vslot = torch.cat([torch.arange(p.m) for p in plans])
+    steps = torch.cat([p.steps for p in plans])
+    order = torch.argsort(-steps, stable=True)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(len(order))
+    where, o = [], 0
+    for p in plans:
+        where.append(inv[o : o + p.m])
+        o += p.m
+    return _Round(plans, vrun[order], vslot[order], steps[order], where)
+
+
+def run_stacked(
+    methods: list,
+    data: RunData,
+    *,
+    rounds: int,
+    participation: float | list[float],
+    seeds: list[int],
+    device: torch.device | str = "cpu",
+    eval_every: int = 1,
+    on_round: Callable[[int, dict], None] | None = None,
+) -> list[tuple[dict, list[dict]] | FedfeatError]:
+    """Make ``len(methods)`` runs (``methods[r]`` with ``seeds[r]``) as one program; returns per run ``(final
+    weights, metric rows)`` as ``engine.run_federated`` would, or the ``FedfeatError`` that stopped that run (a
+    run whose weights became non-finite; the others go on). ``on_round(r, row)`` sees each run's rows."""
+    R = len(methods)
+    if R == 0:
+        return []
+    if len(seeds) != R:
+        raise FedfeatError("run_stacked: one seed per method")
+    keys = {stack_key(m) for m in methods}
+    if None in keys or len(keys) != 1:
+        raise FedfeatError(
+            f"runs cannot be stacked: methods {sorted({m.name for m in methods})} must be one of "
+            f"{', '.join(STACKABLE)} with equal {', '.join(SHAPE_KEYS)}"
+        )
+    parts = participation if isinstance(participation, list) else [participation] * R
+    if eval_every < 1:
+        raise FedfeatError(f"--eval-every must be >= 1, got {eval_every}")
+    device = torch.device(device)
+    name = methods[0].name
+    fst = name == "fst-cbdg"
+    p0 = methods[0].p
+    ctx0 = build_context(data, methods[0], seeds[0], device)
+    ctxs = [
+        dataclasses.replace(ctx0, seed=int(s), state={}, cache=ctx0.cache, rounds=rounds) for s in seeds
+    ]
+    N, D, K = ctx0.feats.shape[0], ctx0.D, ctx0.K
+    for m, c in zip(methods, ctxs):
+        m.setup(c)
+    if fst:  # the soft labels with a run axis; each run's context sees its own slice (a view)
+        Q = torch.stack([c.state["q"] for c in ctxs])  # [R, N, K]
+        for r, c in enumerate(ctxs):
+            c.state["q"] = Q[r]
+        Qflat = Q.view(R * N, K)
+    globs = [m.init_global(c) for m, c in zip(methods, ctxs)]
+    dt = ctx0.feats.dtype
+    hp = {
+        k: _per_run(methods, k).to(device=device, dtype=dt)
+        for k in ("momentum", "weight_decay", "logit_scale", "mu", "beta", "lam", "sigma")
+    }
+    hp["self_training"] = torch.tensor([float(getattr(m.p, "self_training", True)) for m in methods])
+    hp["self_training"] = hp["self_training"].to(device=device, dtype=dt)
+    syn_sum = torch.tensor([getattr(m.p, "synthetic_loss", "mean") == "sum" for m in methods], device=device)
+    results: list = [None] * R
+    rows: list[list[dict]] = [[] for _ in range(R)]
+    alive = [True] * R
+    test_y = data.test_y
+    ok = [r for r in range(R) if _check(methods, ctxs, globs, 0, None, r, alive, results)]
+    _record(methods, ctxs, data, globs, rows, on_round, 0, ok, {r: _row0() for r in ok}, eval_every, rounds, test_y)
+    for rnd in range(1, rounds + 1):
+        t0 = time.perf_counter()
+        live = [r for r in range(R) if alive[r]]
+        if not live:
+            break
+        plans = {}
+        for r in live:
+            m, c = methods[r], ctxs[r]
+            m.round_begin(c, rnd, globs[r])
+            plans[r] = make_plan(c, rnd, m.sample(c, rnd, parts[r]), p0.batch_size, p0.local_epochs)
+        cparams, loss_sum, loss_n = _local(methods, ctxs, live, plans, globs, hp, syn_sum, fst, Qflat if fst else None, N, D, K, rnd, device)  # fmt: skip
+        for r in live:
+            new = methods[r].aggregate(ctxs[r], plans[r], globs[r], cparams[r])
+            globs[r] = methods[r].server_update(ctxs[r], plans[r], globs[r], new)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        train_seconds = (time.perf_counter() - t0) / len(live)
+        extra = {}
+        for r in live:
+            loss = loss_sum[r] / max(loss_n[r], 1)
+            if not _check(methods, ctxs, globs, rnd, loss, r, alive, results):
+                continue
+            extra[r] = {
+                "clients": plans[r].clients.sort().values.tolist(),
+                "train_loss": loss,
+                "bytes_up": methods[r].upload_bytes(ctxs[r], plans[r], cparams[r]),
+                "bytes_down": plans[r].m * param_bytes(methods[r].broadcast(ctxs[r], globs[r])),
+                "train_seconds": train_seconds,
+            }
+        _record(methods, ctxs, data, globs, rows, on_round, rnd, list(extra), extra, eval_every, rounds, test_y, t0)  # fmt: skip
+    for r in range(R):
+        if results[r] is None:
+            results[r] = (methods[r].final_weights(ctxs[r], globs[r]), rows[r])
+    return results
+
+
+def _row0() -> dict:
+    return {"clients": [], "train_loss": None, "bytes_up": 0, "bytes_down": 0}
+
+
+def _check(methods, ctxs, globs, rnd, loss, r, alive, results) -> bool:
+    try:
+        check_finite(methods[r], ctxs[r], rnd, globs[r], loss)
+    except FedfeatError as e:
+        alive[r] = False
+        results[r] = e
+        return False
+    return True
+
+
+@torch.no_grad()
+def _record(methods, ctxs, data, globs, rows, on_round, rnd, runs, extra, eval_every, rounds, test_y, t0=None):
+    """The runs' metric rows of round ``rnd``: one evaluation product for all of them (the heads stacked)."""
+    if not runs:
+        return
+    t0 = time.perf_counter() if t0 is None else t0
+    skip = bool(rnd % eval_every) and rnd not in (0, rounds)
+    if not skip:
+        c0 = ctxs[runs[0]]
+        K = c0.K
+        if c0.local_test is None and c0.open_vocab is None:
+            W = torch.stack([globs[r]["W"] for r in runs])  # [r, K, D]
+            b = torch.stack([globs[r]["b"] for r in runs])
+            scale = torch.tensor([methods[r].p.logit_scale for r in runs], dtype=W.dtype, device=W.device)
+            z = torch.baddbmm(b.unsqueeze(2), W, c0.test_xT().unsqueeze(0).expand(len(runs), -1, -1))
+            pred = (scale.view(-1, 1, 1) * z).argmax(1)  # [r, Nt]
+            correct = (pred == test_y.unsqueeze(0)).to(torch.float64)
+            per = torch.zeros(len(runs), K, dtype=torch.float64, device=test_y.device).index_add_(1, test_y, correct)
+            cnt = torch.bincount(test_y, minlength=K).to(torch.float64).clamp_min(1)
+            evs = [
+                {"acc": float(correct[i].mean()) * 100, "per_class_acc": (100 * per[i] / cnt).tolist(), "pred": pred[i]}
+                for i in range(len(runs))
+            ]
+        else:  # local test splits / open vocabulary: each run's own evaluation
+            from fedfeat.engine import evaluate
+
+            evs = [evaluate(methods[r], ctxs[r], globs[r], test_y, K) for r in runs]
+    for i, r in enumerate(runs):
+        if skip:
+            row = {"round": rnd, "test_acc": None, **extra[r]}
+        else:
+            ev = evs[i]
+            row = {"round": rnd, "test_acc": ev["acc"], "per_class_acc": ev["per_class_acc"], **ev.get("extra", {})}
+            row.update(extra[r])
+            row.update(methods[r].round_metrics(ctxs[r], data, globs[r], ev))
+        row["seconds"] = time.perf_counter() - t0
+        rows[r].append(row)
+        if on_round:
+            on_round(r, row)
+
+
+def _local(methods, ctxs, live, plans, globs, hp, syn_sum, fst, Qflat, N, D, K, rnd, device):
+    """Every live run's local update as one program over the virtual clients; returns per run its clients'
+    parameters in its plan's order, and its loss sum and step count."""
+    rr = _virtual([plans[r] for r in live])
+    runs = torch.as_tensor(live, dtype=torch.int64)[rr.vrun]  # [V] run of each virtual client
+    V = len(runs)
+    p0 = methods[live[0]].p
+    B, E = p0.batch_size, p0.local_epochs
+    G = {k: torch.stack([globs[r][k] for r in range(len(globs))]) for k in ("W", "b")}  # [R, ...]
+    params = {k: G[k][runs].clone() for k in G}  # [V, ...]
+    opts = [methods[r].make_optimizer(rnd) for r in range(len(methods))]
+    dt, dev = params["W"].dtype, params["W"].device
+    lr = torch.tensor([o.lr for o in opts], dtype=dt, device=dev)[runs]
+    mom, wd = hp["momentum"][runs], hp["weight_decay"][runs]
+    scale, mu = hp["logit_scale"][runs], hp["mu"][runs]
+    bufs = {k: torch.zeros_like(v) for k, v in params.items()}
+    locs = {r: methods[r].local_begin(ctxs[r], plans[r], globs[r]) for r in live}
+    vruns = runs.to(dev)
+    loss_acc = torch.zeros(V, dtype=torch.float64, device=dev)
+    steps_acc = torch.zeros(V, dtype=torch.int64)
+    xbuf = torch.empty(V * B, D, dtype=ctxs[0].feats.dtype, device=dev)
+    feats = ctxs[0].feats
+    for epoch in range(E):
+        S = int(rr.steps.max()) if V else 0
+        idx = torch.zeros(S, V, B, dtype=torch.int64)
+        mask = torch.zeros(S, V, B, dtype=torch.bool)
+        for j, r in enumerate(live):
+            i_r, m_r = epoch_tables(ctxs[r], plans[r], epoch)
+            idx[: i_r.shape[0], rr.where[j]] = i_r
+            mask[: i_r.shape[0], rr.where[j]] = m_r
+        widths = mask.sum(-1).amax(-1).tolist()
+        idx, mask = idx.to(dev), mask.to(dev)
+        syn = _syn_tables(methods, ctxs, live, plans, locs, rr, S, epoch, dev) if fst else None
+        for s in range(S):
+            n, Bw = rr.active(s), int(widths[s])
+            ib, mb = idx[s, :n, :Bw], mask[s, :n, :Bw]
+            x = torch.index_select(feats, 0, ib.reshape(-1), out=xbuf[: n * Bw]).view(n, Bw, D)
+            p = {k: v[:n].detach().requires_grad_(True) for k, v in params.items()}
+            z = scale[:n].view(n, 1, 1) * batched_linear(x, p["W"], p["b"])  # [n, B, K]
+            if fst:
+                loss = _fst_loss(methods, ctxs, live, z, p, x, ib, mb, vruns[:n], rr, syn, hp, syn_sum, Qflat, N, s, epoch, rnd)  # fmt: skip
+            else:
+                y = ctxs[0].labels[ib]
+                loss = masked_mean(F.cross_entropy(z.transpose(1, 2), y, reduction="none"), mb)
+                if methods[live[0]].name == "fedprox":
+                    g = {k: G[k][runs[:n]] for k in G}
+                    prox = sum(((p[k] - g[k]) ** 2).flatten(1).sum(1) for k in p)
+                    loss = loss + 0.5 * mu[:n] * prox
+            grads = torch.autograd.grad(loss.sum(), [p["W"], p["b"]])
+            _sgd(params, dict(zip(("W", "b"), grads)), bufs, n, lr, mom, wd, first=(epoch == 0 and s == 0))
+            loss_acc[:n] += loss.detach().double()
+            steps_acc[:n] += 1
+    out, lsum, lcount = {}, {}, {}
+    loss_acc, steps_acc = loss_acc.cpu(), steps_acc
+    for j, r in enumerate(live):
+        w = rr.where[j]
+        out[r] = {k: v[w.to(dev)] for k, v in params.items()}
+        lsum[r] = float(loss_acc[w].sum())
+        lcount[r] = int(steps_acc[w].sum())
+        methods[r].local_end(ctxs[r], plans[r], locs[r], out[r])
+    return out, lsum, lcount
+
+
+@torch.no_grad()
+def _sgd(params, grads, bufs, n, lr, mom, wd, first):
+    """``torch.optim.SGD`` per virtual client (``optim.BatchedSGD``'s rule) with per-client lr / momentum / wd."""
+    for k, g in grads.items():
+        p = params[k][:n]
+        shape = (n, *([1] * (g.dim() - 1)))
+        d = g.contiguous() + wd[:n].view(shape) * p
+        if first:
+            bufs[k][:n] = d
+        else:
+            bufs[k][:n] = mom[:n].view(shape) * bufs[k][:n] + d
+        p.sub_(lr[:n].view(shape) * bufs[k][:n])
+
+
+def _syn_tables(methods, ctxs, live, plans, locs, rr, S, epoch, dev):
+    """Each run's synthetic tables of this epoch (``FSTCBDG.epoch_begin``) on the virtual client axis."""
+    tabs = []
+    for r in live:
+        methods[r].epoch_begin(ctxs[r], plans[r], locs[r], epoch)
+        tabs.append(locs[r]["syn"])
+    P = max((t["cls"].shape[2] for t in tabs if t is not None), default=0)
+    if P == 0:
+        return None
+    V = len(rr.vrun)
+    cls = torch.zeros(S, V, P, dtype=torch.int64, device=dev)
+    msk = torch.zeros(S, V, P, dtype=torch.bool, device=dev)
+    sign = torch.zeros(S, V, P, dtype=ctxs[0].text.dtype, device=dev)
+    for j, t in enumerate(tabs):
+        if t is None:
+            continue
+        s_r, _, p_r = t["cls"].shape
+        w = rr.where[j].to(dev)
+        cls[:s_r, w, :p_r] = t["cls"]
+        msk[:s_r, w, :p_r] = t["mask"]
+        sign[:s_r, w, :p_r] = t["sign"]
+    return {"cls": cls, "mask": msk, "sign": sign}
+
+
+def _fst_loss(methods, ctxs, live, z, p, x, ib, mb, vr, rr, syn, hp, syn_sum, Qflat, N, s, epoch, rnd):
+    """FST-CBDG's step loss (``FSTCBDG.step_loss``) over virtual clients with per-run soft labels and draws."""
+    n = z.shape[0]
+    gpos = vr.view(n, 1) * N + ib  # rows of the stacked soft labels
+    beta = hp["beta"][vr]
+    with torch.no_grad():
+        f = F.softmax(z.detach(), dim=-1)
+        bm = beta.view(n, 1).expand_as(mb)[mb].unsqueeze(1)
+        rows = gpos[mb]
+        Qflat[rows] = bm * Qflat[rows] + (1 - bm) * f[mb]
+    q = Qflat[gpos]
+    st = masked_mean(-(q * F.log_softmax(z, dim=-1)).sum(-1), mb)
+    loss = hp["self_training"][vr] * st
+    if syn is None or s >= syn["cls"].shape[0]:
+        return loss
+    smask = syn["mask"][s, :n]
+    if not bool(smask.any()):
+        return loss
+    P = int(smask.sum(1).max())
+    cls, smask, sign = syn["cls"][s, :n, :P], smask[:, :P], syn["sign"][s, :n, :P]
+    # each run's noise bank of this step (runs with one seed share it)
+    banks, which = {}, torch.empty(len(live), dtype=torch.int64)
+    for j, r in enumerate(live):
+        sd = ctxs[r].seed
+        if sd not in banks:
+            banks[sd] = (len(banks), methods[r]._noise(ctxs[r], rnd, epoch, s, P))
+        which[j] = banks[sd][0]
+    eps = torch.stack([e for _, e in banks.values()])  # [u, P, D]
+    run_pos = torch.empty(int(vr.max()) + 1, dtype=torch.int64)
+    run_pos[torch.as_tensor(live)] = torch.arange(len(live))
+    ev = eps[which[run_pos[vr.cpu()]].to(eps.device)]  # [n, P, D]
+    W, b = p["W"], p["b"]
+    D = W.shape[2]
+    sigma = (hp["sigma"][vr] / math.sqrt(D)).view(n, 1, 1)
+    WT = torch.matmul(W, ctxs[0].text.T)  # [n, K, K]
+    WE = torch.bmm(W, ev.transpose(1, 2))  # [n, K, P]
+    K = W.shape[1]
+    lin = torch.gather(WT, 2, cls.unsqueeze(1).expand(n, K, P)) + sigma * sign.unsqueeze(1) * WE
+    if methods[live[0]].p.renormalize_synthetic:
+        te = torch.bmm(ctxs[0].text.unsqueeze(0).expand(n, -1, -1), ev.transpose(1, 2))  # [n, K, P]
+        tc_e = torch.gather(te, 1, cls.unsqueeze(1)).squeeze(1)  # [n, P]
+        sg = sigma.view(n, 1)
+        sq = 1 + 2 * sg * sign * tc_e + sg**2 * (ev * ev).sum(2)
+        lin = lin / sq.clamp_min(1e-12).sqrt().unsqueeze(1)
+    zs = hp["logit_scale"][vr].view(n, 1, 1) * (lin.transpose(1, 2) + b.unsqueeze(1))  # [n, P, K]
+    ce = F.cross_entropy(zs.transpose(1, 2), cls, reduction="none")  # [n, P]
+    summed = (ce * smask.to(ce.dtype)).sum(1)
+    mean = masked_mean(ce, smask)
+    return loss + hp["lam"][vr] * torch.where(syn_sum[vr], summed, mean)
+
+
+__all__ = ["STACKABLE", "SHAPE_KEYS", "run_stacked", "stack_key"]
