@@ -248,9 +248,16 @@ def register(app: typer.Typer) -> None:
         overwrite: bool = typer.Option(False, "--overwrite", help="Redo finished runs (default: skip them)."),
         fmt: str = typer.Option("markdown", "--format", help="The closing table: markdown, csv or json."),
         quiet: bool = typer.Option(False, "--quiet", help="No per-run lines."),
+        stack: bool = typer.Option(
+            True,
+            "--stack/--no-stack",
+            help="Make runs of fedavg / fedprox / fst-cbdg that read the same data as one batched program along a "
+            "run axis (seeds and hyperparameters may differ; equal to one-by-one torch runs). --no-stack: one by one.",
+        ),
     ) -> None:
-        """Run a grid of runs in one process (stores, partitions and features loaded once); every point is an
-        ordinary run directory; finished runs are skipped. Ends with mean ± std over seeds per setting."""
+        """Run a grid of runs in one process (stores, partitions and features loaded once; runs that read the same
+        data stacked into one program); every point is an ordinary run directory; finished runs are skipped. Ends
+        with mean ± std over seeds per setting."""
         from fedfeat import sweep as sw
         from fedfeat.runs import TYPES, report
 
@@ -270,7 +277,7 @@ def register(app: typer.Typer) -> None:
             kw["fixed"]["out"] = str(out)
         points = sw.expand(**kw)
         log = (lambda *a: None) if quiet else typer.echo
-        paths = sw.run_sweep(points, overwrite=overwrite, progress=False, log=log)
+        paths = sw.run_sweep(points, overwrite=overwrite, progress=False, log=log, stack=stack)
         typer.echo(report(paths, fmt=fmt, seeds=True, warn=lambda m: typer.echo(m, err=True)))
 
     @app.command()

@@ -470,6 +470,7 @@ def train(
     progress: bool = True,
     log=print,
     _device=None,
+    _stacked: tuple | None = None,
 ) -> Path:
     """Run one configuration end to end and write its run directory (``fedfeat.rundir``). Returns it.
 
@@ -503,6 +504,8 @@ def train(
         return _train_sharded(cfg, method, resume, overwrite, checkpoint_every, save_partition, progress, log)
     device = _device if _device is not None else resolve_device(cfg.device)
     kernel = resolve_kernel(cfg.kernel, method, cfg.engine, device)  # before anything is written
+    if _stacked is not None:  # made by fedfeat.stack's program (train_stacked): the torch program
+        kernel = "torch"
     store = open_store(cfg)
     key, part, stored = run_partition(store, cfg, save_partition)
     name = cfg.name or default_run_name(cfg, method_params, method_defaults, store.attrs, key)
@@ -513,7 +516,7 @@ def train(
         with rundir.sigterm_as_exception():
             return _train_locked(
                 cfg, method, method_params, device, kernel, store, key, part, stored, rd,
-                resume is not None, overwrite, checkpoint_every, progress, log, checkpoint,
+                resume is not None, overwrite, checkpoint_every, progress, log, checkpoint, _stacked,
             )  # fmt: skip
     except (
         OSError
@@ -570,7 +573,7 @@ def _train_sharded(cfg, method, resume, overwrite, checkpoint_every, save_partit
 
 def _train_locked(
     cfg, method, method_params, device, kernel, store, key, part, stored, rd, resuming, overwrite,
-    checkpoint_every, progress, log, checkpoint,
+    checkpoint_every, progress, log, checkpoint, stacked=None,
 ):  # fmt: skip
     from safetensors.torch import save_file
 
@@ -657,26 +660,31 @@ def _train_locked(
 
         t0 = time.perf_counter()
         try:
-            glob, _ = run_federated(
-                method,
-                data,
-                rounds=cfg.rounds,
-                participation=1.0 if centralized else cfg.participation,
-                seed=cfg.seed,
-                engine=cfg.engine,
-                kernel=cfg.kernel,
-                device=device,
-                on_round=on_round,
-                on_checkpoint=on_checkpoint,
-                checkpoint_every=checkpoint_every,
-                eval_every=cfg.eval_every,
-                resume=start,
-            )
+            if stacked is not None:  # (weights, rows, seconds, runs): this run's share of a stacked program
+                glob = stacked[0]
+                for row in stacked[1]:
+                    on_round(dict(row))
+            else:
+                glob, _ = run_federated(
+                    method,
+                    data,
+                    rounds=cfg.rounds,
+                    participation=1.0 if centralized else cfg.participation,
+                    seed=cfg.seed,
+                    engine=cfg.engine,
+                    kernel=cfg.kernel,
+                    device=device,
+                    on_round=on_round,
+                    on_checkpoint=on_checkpoint,
+                    checkpoint_every=checkpoint_every,
+                    eval_every=cfg.eval_every,
+                    resume=start,
+                )
         finally:
             mfile.close()
             if bar is not None:
                 bar[0].stop()
-        wall = time.perf_counter() - t0
+        wall = time.perf_counter() - t0 if stacked is None else stacked[2]
         metrics = _read_metrics(mpath)
         save_file(
             {k: v.detach().cpu().contiguous() for k, v in glob.items()}, rd.partial / "weights.safetensors"
@@ -689,6 +697,8 @@ def _train_locked(
         )
         summary = _summary(cfg, method, method_params, kernel, device, key, rd.name, metrics, wall, store)
         summary["checkpoint_seconds"] = ck_seconds[0]
+        if stacked is not None:
+            summary["stacked_runs"] = stacked[3]  # made in one program with this many runs (fedfeat.stack)
         if start:
             summary["resumed_after_round"] = done
         ckpt.unlink(missing_ok=True)  # a finished run needs none
@@ -707,6 +717,52 @@ def _train_locked(
         f"{wall:.1f} s)"
     )
     return rd.final
+
+
+def stack_group(cfg: RunConfig) -> tuple | None:
+    """Runs with equal groups can be made as one stacked program (``fedfeat.stack``): one stackable method, the
+    same store, partition, data geometry and output; seed, participation and hyperparameters may differ. None:
+    this run is made on its own (another method, the loop engine, ``--kernel fused``, torchrun, a resume)."""
+    from fedfeat.methods import get_method
+    from fedfeat.stack import stack_key
+
+    if cfg.engine != "batched" or cfg.kernel == "fused" or cfg.local_test not in (None, "none"):
+        return None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun shards one run's clients instead
+        return None
+    if cfg.preset is not None or cfg.partition == "disjoint-classes":  # open vocabulary: one by one
+        return None
+    extra = (str(cfg.store), cfg.partition, cfg.clients, cfg.alpha, cfg.shards, cfg.imbalance_factor, cfg.shots,
+             cfg.partition_seed, cfg.rounds, cfg.device, cfg.eval_every, cfg.shot_thresholds, str(cfg.out))  # fmt: skip
+    return stack_key(get_method(cfg.method, cfg.params), extra)
+
+
+def train_stacked(cfgs: list[RunConfig], *, overwrite: bool = False, log=print) -> list:
+    """Make runs of one ``stack_group`` as one program (``fedfeat.stack.run_stacked``) and write each as an
+    ordinary run directory. Returns per run its directory, or the ``FedfeatError`` that stopped it."""
+    from fedfeat.methods import get_method
+    from fedfeat.stack import run_stacked
+
+    groups = {stack_group(c) for c in cfgs}
+    if None in groups or len(groups) != 1:
+        raise FedfeatError("train_stacked: these runs cannot be stacked (see fedfeat.runs.stack_group)")
+    cfg0 = cfgs[0]
+    device = resolve_device(cfg0.device)
+    store = open_store(cfg0)
+    key, part, _ = run_partition(store, cfg0, False)
+    data = _run_data(store, part, key, cfg0, device, False)
+    methods = [get_method(c.method, c.params) for c in cfgs]
+    t0 = time.perf_counter()
+    res = run_stacked(methods, data, rounds=cfg0.rounds, participation=[c.participation for c in cfgs],
+                      seeds=[c.seed for c in cfgs], device=device, eval_every=cfg0.eval_every)  # fmt: skip
+    share = (time.perf_counter() - t0) / len(cfgs)
+    out = []
+    for c, r in zip(cfgs, res):
+        if isinstance(r, FedfeatError):
+            out.append(r)
+            continue
+        out.append(train(c, overwrite=overwrite, progress=False, log=log, _stacked=(*r, share, len(cfgs))))
+    return out
 
 
 def _run_data(store, part, key: str, cfg: RunConfig, device, centralized: bool):

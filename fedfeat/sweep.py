@@ -26,8 +26,13 @@ partitions with their own parameters::
     partition = "dirichlet"
     alpha = 0.1
 
-The runs are made one after another: stacking runs that share their data order into one batched program along a
-run axis is not implemented (BENCHMARKS.md gives what the shared process saves).
+**Stacking** (``stack=True``, the default; ``fedfeat sweep --no-stack``): the pending runs of a stackable method
+(``fedavg``, ``fedprox``, ``fst-cbdg``) that read the same data -- same store, partition, batch size, local
+epochs, rounds, output -- are made as one batched program along a run axis (``fedfeat.stack``): their seeds,
+participation and hyperparameters may differ. Each still gets its own ordinary run directory, with what the same
+run made alone with the torch program would give (``tests/test_stack.py``); its ``summary.json`` says
+``stacked_runs`` and ``kernel = "torch"``. Other runs are made one after another in the shared process
+(BENCHMARKS.md gives what each saves).
 """
 
 from __future__ import annotations
@@ -176,12 +181,21 @@ def _applicable(method: str, params: dict, log) -> dict:
     return {k: v for k, v in params.items() if k.replace("-", "_") in names}
 
 
+STACK_MAX = 32  # runs per stacked program (memory: the virtual clients' weights and momentum, [R x m, K, D])
+
+
 def run_sweep(
-    points: list[tuple[dict, dict]], *, overwrite: bool = False, progress: bool = True, log=print
+    points: list[tuple[dict, dict]],
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+    log=print,
+    stack: bool = True,
 ) -> list[Path]:
     """Make every point's run (skipping finished ones unless ``overwrite``); returns the run directories in the
-    points' order. One process, one ``Session``."""
-    from fedfeat.runs import DEFAULTS, resolve_config, run_name
+    points' order. One process, one ``Session``; with ``stack``, runs that read the same data in one program
+    (module docstring)."""
+    from fedfeat.runs import DEFAULTS, resolve_config, run_name, stack_group, train_stacked
     from fedfeat.runs import train as run_train
 
     paths: list[Path] = []
@@ -200,13 +214,38 @@ def run_sweep(
                     f"grid points {seen[path] + 1} and {i + 1} are the same run ({path.name}); remove the duplicate"
                 )
             seen[path] = i
+        done: dict[int, Path] = {}
+        pending = []
         for i, (cfg, path) in enumerate(zip(cfgs, names)):
             if (path / "summary.json").is_file() and not overwrite:
                 log(f"[{i + 1}/{len(cfgs)}] {path.name}: finished already, skipped")
-                paths.append(path)
-                continue
-            log(f"[{i + 1}/{len(cfgs)}] {path.name}")
-            paths.append(run_train(cfg, overwrite=overwrite, progress=progress, log=lambda *a: None))
+                done[i] = path
+            else:
+                pending.append(i)
+        groups: dict = {}
+        for i in pending:
+            g = stack_group(cfgs[i]) if stack else None
+            groups.setdefault(("one", i) if g is None else g, []).append(i)
+        failed = None
+        for members in groups.values():
+            for c0 in range(0, len(members), STACK_MAX):
+                chunk = members[c0 : c0 + STACK_MAX]
+                if len(chunk) == 1:
+                    i = chunk[0]
+                    log(f"[{i + 1}/{len(cfgs)}] {names[i].name}")
+                    done[i] = run_train(cfgs[i], overwrite=overwrite, progress=progress, log=lambda *a: None)
+                    continue
+                log(f"[{', '.join(str(i + 1) for i in chunk)}/{len(cfgs)}] {len(chunk)} runs stacked in one program")
+                for i, res in zip(chunk, train_stacked([cfgs[i] for i in chunk], overwrite=overwrite,
+                                                       log=lambda *a: None)):  # fmt: skip
+                    if isinstance(res, FedfeatError):
+                        log(f"  {names[i].name}: {res}")
+                        failed = failed or res
+                    else:
+                        done[i] = res
+        if failed is not None:  # the others are written; the first error is the sweep's
+            raise failed
+        paths = [done[i] for i in range(len(cfgs))]
         del s
     return paths
 
