@@ -8,7 +8,9 @@ A run directory (``runs/<name>/``) holds:
   down, seconds, the sampled clients;
 * ``summary.json``  final and best accuracy, totals, the environment; written last;
 * ``curve.png``     test accuracy vs round;
-* ``weights.safetensors``  the final global parameters (safetensors: loading it cannot execute code).
+* ``weights.safetensors``  the final global parameters (safetensors: loading it cannot execute code);
+* ``{dataset}_{pretrained}_{model}_en_zeroshot_classification.json``  (``zeroshot`` runs) the result in
+  CLIP_benchmark's schema (``fedfeat.clipbench``), written by the method's ``run_files`` hook.
 
 The directory is written under a temporary name and renamed when complete, so a crashed run never looks
 finished.
@@ -697,6 +699,9 @@ def _train_locked(
         )
         summary = _summary(cfg, method, method_params, kernel, device, key, rd.name, metrics, wall, store)
         summary["checkpoint_seconds"] = ck_seconds[0]
+        run_files = getattr(method, "run_files", None)  # a method's own outputs (zeroshot: CLIP_benchmark's JSON)
+        if run_files is not None:
+            summary.update(run_files(rd.partial, data=data, glob=glob, store=store) or {})
         if stacked is not None:
             summary["stacked_runs"] = stacked[3]  # made in one program with this many runs (fedfeat.stack)
         if start:

@@ -1,11 +1,18 @@
-"""CLIP zero-shot classification (CLIP-ZS): argmax over classes of image . text, no training."""
+"""CLIP zero-shot classification (CLIP-ZS): argmax over classes of image . text, no training.
+
+A run also writes its result in CLIP_benchmark's JSON schema (``fedfeat.clipbench``): top-1, top-5 accuracy and
+mean per-class recall on the store's test split, in a file named as CLIP_benchmark names its outputs
+(``{dataset}_{pretrained}_{model}_{language}_{task}.json``), which ``clip_benchmark build`` merges with its own.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 from fedfeat.methods.base import Method, register
 
@@ -13,11 +20,13 @@ from fedfeat.methods.base import Method, register
 @dataclass(frozen=True)
 class ZeroShotParams:
     templates: Literal["first", "ensemble"] = (
-        "first"  # FST-CBDG: "a photo of a {}."; ensemble: CLIP's averaging
+        "first"  # FST-CBDG: "a photo of a {}."; ensemble: CLIP's averaging (CLIP_benchmark's classifier)
     )
     normalize: bool = True  # cosine similarity (CLIP)
     batch_size: int = 1  # unused (no local training)
     local_epochs: int = 1  # unused
+    # the "dataset" of the CLIP_benchmark JSON (e.g. cifar10, as CLIP_benchmark's --dataset); default: the store's
+    benchmark_dataset: str | None = None
 
 
 @register
@@ -34,3 +43,26 @@ class ZeroShot(Method):
 
     def predict(self, ctx, glob, x):
         return ctx.clip_logit_scale * (x @ glob["W"].T)
+
+    @torch.no_grad()
+    def run_files(self, run_dir, *, data, glob, store) -> dict:
+        """Write the run's result in CLIP_benchmark's JSON schema into ``run_dir`` (``fedfeat.clipbench``); returns
+        what ``summary.json`` records of it (the file's name).
+
+        The logits are this method's ``predict`` on the store's whole test split (label -1 rows left out), over all
+        classes: the run's own test set, except for an open-vocabulary partition, whose test set is the query set
+        of novel classes."""
+        from fedfeat import clipbench
+
+        x, y = data.test_x, data.test_y
+        if data.open_vocab is not None:  # test_x is the novel-class query set: read the whole split instead
+            split = "test" if "test" in store.splits else "train"
+            labels = store.labels(split)
+            keep = labels >= 0
+            x = torch.from_numpy(store.features(split)[keep]).to(device=x.device, dtype=x.dtype)
+            y = torch.from_numpy(labels[keep]).to(x.device)
+        if self.p.normalize:
+            x = F.normalize(x, dim=-1)
+        logits = self.predict(SimpleNamespace(clip_logit_scale=data.clip_logit_scale), glob, x)  # [N, K]
+        doc = clipbench.result(store, logits, y, dataset=self.p.benchmark_dataset)
+        return {"clip_benchmark": clipbench.write(run_dir, doc).name}
