@@ -93,7 +93,11 @@ def synth(
 
 @app.command()
 def info(
-    store: Path = typer.Argument(..., help="Store directory (made by `fedfeat synth` or `fedfeat encode`)."),
+    store: str = typer.Argument(
+        ...,
+        help="Store directory (made by `fedfeat synth` or `fedfeat encode`) or an fsspec URL (file://, memory://, "
+        "s3:// with s3fs, gs:// with gcsfs).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the attributes as JSON instead of a table."),
     verify: bool = typer.Option(
         False,
@@ -112,7 +116,7 @@ def info(
 
 @app.command()
 def partition(
-    store: Path = typer.Argument(..., help="Store directory whose split is partitioned."),
+    store: str = typer.Argument(..., help="Store directory or fsspec URL whose split is partitioned."),
     scheme: str = typer.Option(
         "dirichlet",
         help="iid | shard | dirichlet | dirichlet-equal | disjoint-classes | dirichlet-joint (FedCoPL).",

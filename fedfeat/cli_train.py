@@ -16,7 +16,11 @@ def register(app: typer.Typer) -> None:
         method: Optional[str] = typer.Option(
             None, help="Method name (see `fedfeat methods`). Default fst-cbdg."
         ),
-        store: Optional[Path] = typer.Option(None, help="Feature store. Default cache/synth-cifar10.zarr."),
+        store: Optional[str] = typer.Option(
+            None,
+            help="Feature store: a path or an fsspec URL (file://, memory://, s3:// with s3fs, gs:// with gcsfs). "
+            "Default cache/synth-cifar10.zarr.",
+        ),
         partition: Optional[str] = typer.Option(
             None, help="Partition scheme, as `fedfeat partition --scheme`. Default dirichlet."
         ),

@@ -39,7 +39,6 @@ Example::
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import re
 import time
@@ -53,7 +52,17 @@ import torch
 from fedfeat import clipcompat
 from fedfeat.datasets import ImageDataset, UnreadableImage, open_dataset
 from fedfeat.errors import FedfeatError
-from fedfeat.store import FORMAT_VERSION, FeatureStore, StoreLock, fingerprint_hash, is_store, storage_error
+from fedfeat.store import (
+    FORMAT_VERSION,
+    FeatureStore,
+    StoreLock,
+    fingerprint_hash,
+    group_meta,
+    is_store,
+    storage_error,
+    store_exists,
+    store_location,
+)
 from fedfeat.templates import fill, resolve_templates
 
 ENCODER_VERSION = 1  # bump when the encoding procedure changes what lands in a store
@@ -66,8 +75,9 @@ def _safe(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9._+-]+", "_", s).strip("._") or "x"
 
 
-def store_path(out: str | Path, dataset: str, backbone: str, weights: str) -> Path:
-    """Where ``encode`` puts a store: ``OUT/<dataset>/<backbone>-<weights>.zarr`` (names sanitised).
+def store_path(out: str | Path, dataset: str, backbone: str, weights: str) -> Path | str:
+    """Where ``encode`` puts a store: ``OUT/<dataset>/<backbone>-<weights>.zarr`` (names sanitised). ``OUT`` may be
+    an fsspec URL (``s3://bucket/cache``, ``memory://cache``): the store's URL is returned as a string.
 
     Example::
 
@@ -75,12 +85,18 @@ def store_path(out: str | Path, dataset: str, backbone: str, weights: str) -> Pa
         PosixPath('cache/cifar10/ViT-B-32-openai.zarr')
     """
     label = Path(weights).stem if Path(weights).suffix in clipcompat.CHECKPOINT_SUFFIXES else weights
-    return Path(out).expanduser() / _safe(dataset) / f"{_safe(backbone)}-{_safe(label)}.zarr"
+    base = store_location(out)  # a local Path (file:// URLs too) or a URL string
+    name = f"{_safe(dataset)}/{_safe(backbone)}-{_safe(label)}.zarr"
+    return base / name if isinstance(base, Path) else f"{base}/{name}"
 
 
 def _dataset_name(dataset: str, root: Path, name: str | None) -> str:
     if name:
         return name
+    if dataset.startswith(("hf:", "wds:")):  # the dataset's or the shards' folder name
+        from fedfeat.datasets_hf import default_store_name
+
+        return default_store_name(dataset, root)
     if dataset in ("imagefolder", "listfile"):  # generic formats: name the store after the data's folder
         return root.expanduser().resolve().name or dataset
     return dataset
@@ -222,10 +238,8 @@ def _diff_keys(a: dict, b: dict) -> list[str]:
 
 def _half_created(path: Path) -> bool:
     """A directory left by a run killed inside ``FeatureStore.create`` (a zarr group without our attrs)."""
-    meta = path / "zarr.json"
-    try:
-        doc = json.loads(meta.read_text())
-    except (OSError, ValueError):
+    doc = group_meta(path)  # local or at a store URL
+    if doc is None:
         return False
     return doc.get("node_type") == "group" and "format_version" not in doc.get("attributes", {})
 
@@ -257,7 +271,7 @@ def _sources(ds: ImageDataset) -> dict:
 def _decide(path: Path, fingerprint: dict, force: bool, ds: ImageDataset) -> tuple[str, dict]:
     """``("create" | "recreate" | "resume" | "done" | "refresh", chunks to re-encode)`` for the store at
     ``path`` (rank 0 only, holding the store's lock)."""
-    if not path.exists():
+    if not store_exists(path):
         return "create", {}
     if not is_store(path):
         if _half_created(path):
@@ -287,7 +301,7 @@ def _decide(path: Path, fingerprint: dict, force: bool, ds: ImageDataset) -> tup
 def _read_only_and_done(path: Path, fingerprint: dict, force: bool) -> bool:
     """True for a complete, matching store in a directory this process cannot write (a read-only mount):
     nothing to do, and no lock to take (none could be written)."""
-    if force or not is_store(path) or os.access(path.parent, os.W_OK):
+    if force or isinstance(path, str) or not is_store(path) or os.access(path.parent, os.W_OK):
         return False
     st = FeatureStore.open(path, mode="r", allow_incomplete=True)
     return st.complete and st.attrs.get("fingerprint_hash") == fingerprint_hash(fingerprint)
@@ -315,6 +329,7 @@ def encode(
     probe_timeout: float = 5.0,
     autocast: bool = False,
     pixels: bool = False,
+    dataset_options: dict | None = None,
     console=None,
     stats: dict | None = None,
 ) -> Path:
@@ -329,6 +344,7 @@ def encode(
     ``pixels``: also keep every image as the model's uint8 input after its resize and centre crop (``[N, 3, H,
     W]``, chunked and checksummed like the features; the features are computed from exactly those pixels,
     normalised on the device) for the methods that re-encode images (``fedfeat.store.FeatureStore.pixels``).
+    ``dataset_options``: ``image_column``, ``label_column``, ``classnames`` for ``hf:`` / ``wds:`` datasets.
     ``stats``: a dict to receive this rank's timings (``images``, ``image_seconds`` for reading, decoding,
     preprocessing, encoding and writing the chunks, ``model_seconds``, ``text_seconds``, ``total_seconds``).
 
@@ -366,7 +382,7 @@ def encode(
     try:
         clipcompat.check_precision(precision, dev)
         root = Path(root).expanduser()
-        ds = open_dataset(dataset, root)
+        ds = open_dataset(dataset, root, dataset_options)
         specs = [templates] if templates is None or isinstance(templates, str) else list(templates)
         tmpl = list(dict.fromkeys(t for s in (specs or [None]) for t in resolve_templates(s)))
         bb = clipcompat.resolve_backbone(backbone)

@@ -366,10 +366,10 @@ def _provenance() -> dict:
 def open_store(cfg: RunConfig):
     """The run's store, read-only; a replayed config's store must have the recorded fingerprint."""
     from fedfeat import sweep
-    from fedfeat.store import FeatureStore
+    from fedfeat.store import FeatureStore, canonical_store
 
     sess = sweep.active()
-    where = str(Path(cfg.store).resolve())
+    where = canonical_store(cfg.store)  # an absolute local path, or the store's URL
     if sess is not None and where in sess.stores:  # a sweep: one open store (and its label check) per process
         store = sess.stores[where]
         sess.hits += 1
@@ -394,7 +394,7 @@ def open_store(cfg: RunConfig):
             f"store {cfg.store} has fingerprint {have}, but the config was run on a store with fingerprint "
             f"{cfg.store_fingerprint}; pass --store to run it on this store anyway, or point it at the original"
         )
-    cfg.store = str(Path(cfg.store).resolve())  # config.toml works from any working directory
+    cfg.store = where  # config.toml works from any working directory
     cfg.store_fingerprint = have
     return store
 

@@ -35,6 +35,18 @@ rebuild message: their contents cannot be verified.
 Read-only use: ``open(path, mode="r")`` (the default) never writes anything (no lock files, attributes or zarr
 metadata), so stores on read-only filesystems can be read and partitioned in memory.
 
+Where a store lives (``store_location``): a local path (``~`` expanded; a ``file://`` URL is the same local path),
+or an fsspec URL -- ``memory://``, ``s3://`` (needs ``s3fs``), ``gs://`` (needs ``gcsfs``), any protocol fsspec
+knows -- which zarr reads and writes through ``zarr.storage.FsspecStore``; credentials and options come from the
+filesystem's usual configuration (environment variables, config files, ``FSSPEC_<PROTOCOL>_<OPTION>`` variables).
+A missing filesystem package is a one-line error naming it. ``FeatureStore.path`` is a ``Path`` for local stores and
+the URL string for the others. Crash safety on object stores: there is no atomic rename, but every object (a
+chunk, a done entry, a ``zarr.json``) is written by one whole PUT, which S3 and GCS make visible all at once and
+read back consistently; the write order above (chunk, then its done entry, ``complete`` last) and the checksums
+keep their meaning, so an interrupted encode resumes and an incomplete store is never read as complete. What an
+object store lacks is an exclusive create: ``STORE.lock`` is advisory there (written, then read back; two encodes
+started within the same instant can both proceed), so run one encode per store URL.
+
 Example::
 
     >>> st = FeatureStore.open("cache/synth-cifar10.zarr")
@@ -50,6 +62,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import zlib
@@ -132,23 +145,124 @@ def default_chunk_rows(embed_dim: int) -> int:
     return 1 << max(0, math.ceil(math.log2(rows)))
 
 
-def is_store(path: str | Path) -> bool:
-    """True when ``path`` holds a fedfeat store (complete or not)."""
-    p = Path(path)
-    meta = p / "zarr.json"
-    if not meta.is_file():
+# ---------------------------------------------------------------------------------------- where a store lives
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+# protocol -> the package fsspec needs for it (named in the error when it is missing)
+FSSPEC_PACKAGES = {
+    "s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
+    "abfss": "adlfs", "adl": "adlfs", "http": "aiohttp", "https": "aiohttp", "sftp": "paramiko",
+}  # fmt: skip
+
+
+def is_url(path: str | Path) -> bool:
+    """True for a store at an fsspec URL other than ``file://`` (``memory://``, ``s3://``, ``gs://`` ...)."""
+    if isinstance(path, Path):
         return False
+    m = _URL.match(os.fspath(path))
+    return m is not None and m.group(1).lower() not in ("file", "local")
+
+
+def store_location(path: str | Path) -> Path | str:
+    """Where a store lives: a local ``Path`` (``~`` expanded; ``file:///abs/x.zarr`` is ``/abs/x.zarr``) or, for
+    any other fsspec URL, the URL itself (without a trailing ``/``); an unknown protocol or a missing filesystem
+    package (``s3fs``, ``gcsfs``) is a one-line error.
+
+    Example::
+
+        >>> store_location("file:///data/c.zarr"), store_location("s3://bucket/c.zarr/")
+        (PosixPath('/data/c.zarr'), 's3://bucket/c.zarr')
+    """
+    if isinstance(path, Path):
+        return path.expanduser()
+    s = os.fspath(path)
+    m = _URL.match(s)
+    if m is None:
+        return Path(s).expanduser()
+    if m.group(1).lower() in ("file", "local"):
+        rest = s[m.end() :]
+        if rest.startswith("localhost/"):
+            rest = rest[len("localhost") :]
+        from urllib.parse import unquote
+
+        return Path(unquote(rest) or "/").expanduser()
+    url = s.rstrip("/")
+    url_filesystem(url)  # fail now, in one line, when its filesystem package is missing
+    return url
+
+
+def url_filesystem(url: str):
+    """``(fsspec filesystem, path inside it)`` of a store URL (``is_url``)."""
+    proto = url.split("://", 1)[0].lower()
     try:
-        attrs = json.loads(meta.read_text()).get("attributes", {})
-    except (OSError, ValueError, AttributeError):
-        return False
+        import fsspec
+    except ImportError:
+        raise FedfeatError(f"store URL {url} needs the fsspec package: pip install fsspec") from None
+    try:
+        return fsspec.core.url_to_fs(url)
+    except ImportError as e:
+        pkg = FSSPEC_PACKAGES.get(proto) or getattr(e, "name", None) or "its fsspec filesystem package"
+        raise FedfeatError(
+            f"store URL {url} needs the optional package {pkg} for {proto}://: pip install {pkg}"
+        ) from None
+    except ValueError as e:
+        raise FedfeatError(
+            f"store URL {url}: {e}; use a local path or an fsspec URL (file://, memory://, s3:// with s3fs, "
+            "gs:// with gcsfs)"
+        ) from None
+
+
+def store_name(path: str | Path) -> str:
+    """The last component of a store's path or URL (``cache/c.zarr`` and ``s3://b/c.zarr`` -> ``c.zarr``)."""
+    return os.fspath(path).rstrip("/").rsplit("/", 1)[-1]
+
+
+def canonical_store(path: str | Path) -> str:
+    """A store's location as recorded in run configs: an absolute local path, or the URL as given."""
+    loc = store_location(path)
+    return str(loc.resolve()) if isinstance(loc, Path) else loc
+
+
+def store_exists(path: str | Path) -> bool:
+    """Whether anything (a store, a directory, a file) is at ``path``."""
+    loc = store_location(path)
+    if isinstance(loc, Path):
+        return loc.exists()
+    fs, p = url_filesystem(loc)
+    try:
+        return bool(fs.exists(p))
+    except OSError as e:
+        raise storage_error(e, loc, "looking for the store", "check the URL and your credentials") from None
+
+
+def group_meta(path: str | Path) -> dict | None:
+    """The ``zarr.json`` document at ``path`` (a dict), or ``None`` when there is none or it does not parse."""
+    loc = store_location(path)
+    try:
+        if isinstance(loc, Path):
+            meta = loc / "zarr.json"
+            if not meta.is_file():
+                return None
+            raw = meta.read_bytes()
+        else:
+            fs, p = url_filesystem(loc)
+            raw = fs.cat_file(f"{p}/zarr.json")
+        doc = json.loads(raw)
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def is_store(path: str | Path) -> bool:
+    """True when ``path`` (a local path or a store URL) holds a fedfeat store (complete or not)."""
+    doc = group_meta(path)
+    attrs = doc.get("attributes", {}) if doc is not None else None
     return isinstance(attrs, dict) and "format_version" in attrs
 
 
 class FeatureStore:
-    """A fedfeat feature store on disk. Use ``create`` to start one and ``open`` to read one."""
+    """A fedfeat feature store on disk or at an fsspec URL. Use ``create`` to start one and ``open`` to read one."""
 
-    def __init__(self, path: Path, group: zarr.Group, mode: str = "r"):
+    def __init__(self, path: Path | str, group: zarr.Group, mode: str = "r"):
         self.path = path
         self._g = group
         self._mode = mode
@@ -183,15 +297,21 @@ class FeatureStore:
         ``pixels``: ``{"size": [H, W], "mean": [3], "std": [3]}`` to also keep every image as the model's uint8 input
         after its resize and centre crop (``encode --pixels``; live image methods read them).
         """
-        path = Path(path)
-        if path.exists():
+        path = store_location(path)
+        if isinstance(path, Path):
+            if path.exists():
+                if not overwrite:
+                    raise FedfeatError(f"{path} already exists; pass --force to replace it")
+                if path.is_dir():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+            path.parent.mkdir(parents=True, exist_ok=True)
+        elif store_exists(path):  # an object store has no directories: the prefix's objects go
             if not overwrite:
                 raise FedfeatError(f"{path} already exists; pass --force to replace it")
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
-        path.parent.mkdir(parents=True, exist_ok=True)
+            fs, p = url_filesystem(path)
+            fs.rm(p, recursive=True)
         chunk_rows = int(chunk_rows or default_chunk_rows(embed_dim))
         g = zarr.open_group(str(path), mode="w", zarr_format=3)
         attrs: dict[str, Any] = {
@@ -276,10 +396,12 @@ class FeatureStore:
         ``mode="r"`` (the default) never writes to the store or next to it: it works on read-only
         filesystems. ``mode="r+"`` is for writers (``encode``, saving partitions).
         """
-        path = Path(path)
-        if not path.exists():
+        path = store_location(path)
+        if not store_exists(path):
             raise FedfeatError(
                 f"no store at {path}; create one with `fedfeat synth --out {path}` or `fedfeat encode`"
+                if isinstance(path, Path)
+                else f"no store at {path}; write one there with `fedfeat encode --out URL`, or copy a store there"
             )
         if not is_store(path):
             raise FedfeatError(
@@ -290,7 +412,14 @@ class FeatureStore:
             g = zarr.open_group(str(path), mode=mode, zarr_format=3)
         except OSError as e:
             raise storage_error(e, path, "opening the store", "open it with mode 'r' (read only)") from None
-        except Exception as e:  # unreadable zarr metadata: the store is damaged, not the program
+        except Exception as e:
+            if not isinstance(path, Path):  # a remote store: more likely the connection or credentials
+                first = (str(e).strip().splitlines() or [""])[0][:200]
+                raise FedfeatError(
+                    f"cannot open store {path} ({type(e).__name__}: {first}); check the URL, your credentials, "
+                    "or rebuild it with `fedfeat encode --force`"
+                ) from None
+            # unreadable zarr metadata: the store is damaged, not the program
             raise FedfeatError(
                 f"store {path} is damaged ({type(e).__name__}: {e}); rebuild it with `fedfeat encode --force` "
                 "(or `fedfeat synth --force`)"
@@ -674,9 +803,14 @@ class FeatureStore:
         order, offsets = partition.order_and_offsets()
         # probe first: on a read-only store zarr's concurrent writes fail in background tasks that print their
         # own tracebacks ("Task exception was never retrieved") beside the caller's one-line error
-        probe = self.path / f".write-probe-{os.getpid()}"
-        probe.touch()
-        probe.unlink()
+        if isinstance(self.path, Path):
+            probe = self.path / f".write-probe-{os.getpid()}"
+            probe.touch()
+            probe.unlink()
+        else:
+            fs, p = url_filesystem(self.path)
+            fs.pipe_file(f"{p}/.write-probe-{os.getpid()}", b"")
+            fs.rm_file(f"{p}/.write-probe-{os.getpid()}")
         pg = self._g.require_group("partitions")
         if key in pg:
             del pg[key]
@@ -734,7 +868,11 @@ class FeatureStore:
     # ------------------------------------------------------------------ summary
     def summary(self) -> dict:
         """A plain dict for ``fedfeat info``: attributes, sizes on disk, partitions."""
-        size = sum(f.stat().st_size for f in self.path.rglob("*") if f.is_file())
+        if isinstance(self.path, Path):
+            size = sum(f.stat().st_size for f in self.path.rglob("*") if f.is_file())
+        else:
+            fs, p = url_filesystem(self.path)
+            size = int(fs.du(p, total=True))
         return {
             "path": str(self.path),
             "attrs": self.attrs,
@@ -762,6 +900,10 @@ class StoreLock:
     a live holder, or one on another host (whose pid cannot be checked from here), is refused with a message
     naming it and how to remove a stale lock. Use as a context manager; ``release`` removes only our own lock.
 
+    A store at a URL (``memory://``, ``s3://``...) gets ``URL.lock`` the same way, but object stores have no
+    exclusive create: the lock is written and then read back, which catches a holder that started earlier, not
+    one that starts in the same instant (advisory: run one encode per store URL).
+
     Example::
 
         >>> with StoreLock("cache/cifar10/RN50-openai.zarr", log=print):
@@ -769,20 +911,49 @@ class StoreLock:
     """
 
     def __init__(self, store: str | Path, *, command: str = "fedfeat encode", log=None):
-        self.store = Path(store)
-        self.path = self.store.with_name(self.store.name + ".lock")
+        self.store = store_location(store)
+        self.path: Path | str = (
+            self.store.with_name(self.store.name + ".lock")
+            if isinstance(self.store, Path)
+            else self.store + ".lock"
+        )
         self.command = command
         self.log = log or (lambda msg: None)
         self.token: dict | None = None
 
     def _holder(self) -> dict | None:
         try:
-            doc = json.loads(self.path.read_text())
+            if isinstance(self.path, Path):
+                raw = self.path.read_text()
+            else:
+                fs, p = url_filesystem(self.path)
+                raw = fs.cat_file(p)
+            doc = json.loads(raw)
             return doc if isinstance(doc, dict) else None
         except FileNotFoundError:
             return {}
         except (OSError, ValueError):
             return None
+
+    def _stale_or_refuse(self, holder: dict | None, host: str) -> None:
+        """Return when ``holder`` (read from an existing lock) is a dead process on this host; else refuse."""
+        if holder is None or "pid" not in holder:
+            raise FedfeatError(
+                f"{self.store} is locked ({self.path} exists but is unreadable); if no "
+                f"`{self.command}` is writing this store, remove {self.path}"
+            ) from None
+        pid, where = int(holder["pid"]), holder.get("host", "?")
+        if where == host and not _pid_alive(pid):
+            self.log(
+                f"taking over the stale lock {self.path} (pid {pid} on {where} since "
+                f"{holder.get('since', '?')} is no longer running)"
+            )
+            return
+        raise FedfeatError(
+            f"{self.store} is being written by another `{holder.get('command', self.command)}` "
+            f"(pid {pid} on host {where}, since {holder.get('since', '?')}); wait for it to finish. "
+            f"If that process is gone (a crash on another host), remove {self.path} and re-run"
+        ) from None
 
     def acquire(self) -> StoreLock:
         host = socket.gethostname()
@@ -792,6 +963,8 @@ class StoreLock:
             "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": self.command,
         }
+        if not isinstance(self.path, Path):
+            return self._acquire_url(me, host)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             for _ in range(3):
@@ -801,29 +974,14 @@ class StoreLock:
                     holder = self._holder()
                     if holder == {}:  # released between our open and our read: try again
                         continue
-                    if holder is None or "pid" not in holder:
-                        raise FedfeatError(
-                            f"{self.store} is locked ({self.path} exists but is unreadable); if no "
-                            f"`{self.command}` is writing this store, remove {self.path}"
-                        ) from None
-                    pid, where = int(holder["pid"]), holder.get("host", "?")
-                    if where == host and not _pid_alive(pid):
-                        self.log(
-                            f"taking over the stale lock {self.path} (pid {pid} on {where} since "
-                            f"{holder.get('since', '?')} is no longer running)"
-                        )
-                        stale = self.path.with_name(f"{self.path.name}.stale-{os.getpid()}")
-                        try:
-                            os.rename(self.path, stale)  # only one of several contenders wins this
-                            stale.unlink()
-                        except FileNotFoundError:
-                            pass
-                        continue
-                    raise FedfeatError(
-                        f"{self.store} is being written by another `{holder.get('command', self.command)}` "
-                        f"(pid {pid} on host {where}, since {holder.get('since', '?')}); wait for it to finish. "
-                        f"If that process is gone (a crash on another host), remove {self.path} and re-run"
-                    ) from None
+                    self._stale_or_refuse(holder, host)
+                    stale = self.path.with_name(f"{self.path.name}.stale-{os.getpid()}")
+                    try:
+                        os.rename(self.path, stale)  # only one of several contenders wins this
+                        stale.unlink()
+                    except FileNotFoundError:
+                        pass
+                    continue
                 with os.fdopen(fd, "w") as f:
                     json.dump(me, f)
                     f.flush()
@@ -834,12 +992,32 @@ class StoreLock:
             raise storage_error(e, self.path, "locking the store") from None
         raise FedfeatError(f"could not take the lock {self.path} (contended); re-run the command")
 
+    def _acquire_url(self, me: dict, host: str) -> StoreLock:
+        fs, p = url_filesystem(str(self.path))
+        try:
+            for _ in range(3):
+                holder = self._holder()
+                if holder != {}:
+                    self._stale_or_refuse(holder, host)
+                    fs.rm_file(p)
+                fs.pipe_file(p, json.dumps(me).encode())
+                if self._holder() == me:  # last writer wins on an object store: check that it is us
+                    self.token = me
+                    return self
+        except OSError as e:
+            raise storage_error(e, self.path, "locking the store") from None
+        raise FedfeatError(f"could not take the lock {self.path} (contended); re-run the command")
+
     def release(self) -> None:
         if self.token is None:
             return
         if self._holder() == self.token:
             try:
-                self.path.unlink()
+                if isinstance(self.path, Path):
+                    self.path.unlink()
+                else:
+                    fs, p = url_filesystem(self.path)
+                    fs.rm_file(p)
             except OSError:
                 pass
         self.token = None
