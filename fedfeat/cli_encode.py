@@ -35,8 +35,9 @@ def register(app: typer.Typer) -> None:
         backbone: Annotated[
             str,
             typer.Option(
-                help="open_clip architecture (RN50, ViT-B-32; OpenAI spellings like ViT-B/32 work) "
-                "or a path to an open_clip JSON model config.",
+                help="open_clip architecture (RN50, ViT-B-32; OpenAI spellings like ViT-B/32 work), a path to an "
+                "open_clip JSON model config, local-dir:PATH (open_clip_config.json + weights) or hf-hub:ORG/REPO "
+                "(from the Hugging Face cache). `fedfeat models` lists what is here.",
                 show_default=False,
             ),
         ],
@@ -58,9 +59,12 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
         out: Annotated[
-            Path,
-            typer.Option(help="Cache folder; the store lands at OUT/<dataset>/<backbone>-<weights>.zarr."),
-        ] = Path("cache"),
+            str,
+            typer.Option(
+                help="Cache folder or fsspec URL (s3://bucket/cache with s3fs, gs:// with gcsfs, memory://); the "
+                "store lands at OUT/<dataset>/<backbone>-<weights>.zarr."
+            ),
+        ] = "cache",
         batch_size: Annotated[int, typer.Option(help="Images per forward pass.")] = 64,
         workers: Annotated[
             Optional[int],
