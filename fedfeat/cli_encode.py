@@ -21,14 +21,9 @@ def register(app: typer.Typer) -> None:
         dataset: Annotated[
             str,
             typer.Option(
-                help="Dataset format: cifar10, cifar100, cinic10, imagefolder or listfile.",
-                show_default=False,
-            ),
-        ],
-        root: Annotated[
-            Path,
-            typer.Option(
-                help="Dataset folder on disk, e.g. ~/data/cifar-10-batches-py (never downloaded).",
+                help="Dataset format: cifar10, cifar100, cinic10, imagefolder, listfile, hf:NAME[:CONFIG] (a "
+                "Hugging Face dataset saved with save_to_disk, or in the local datasets cache) or wds:PATTERN "
+                "(webdataset tar shards, e.g. wds:data/train-{000000..000001}.tar or a folder with train/, test/).",
                 show_default=False,
             ),
         ],
@@ -41,6 +36,14 @@ def register(app: typer.Typer) -> None:
                 show_default=False,
             ),
         ],
+        root: Annotated[
+            Optional[Path],
+            typer.Option(
+                help="Dataset folder on disk, e.g. ~/data/cifar-10-batches-py (never downloaded). For hf: and "
+                "wds: optional: relative names and patterns resolve against it (default: the current folder).",
+                show_default=False,
+            ),
+        ] = None,
         pretrained: Annotated[
             Optional[str],
             typer.Option(
@@ -115,6 +118,29 @@ def register(app: typer.Typer) -> None:
                 "torchrun --nproc-per-node N -m fedfeat encode ...",
             ),
         ] = False,
+        image_column: Annotated[
+            Optional[str],
+            typer.Option(
+                help="hf: the image column (default: the one Image feature); wds: the image key (default: the "
+                "first of webp, png, jpg, jpeg).",
+                show_default=False,
+            ),
+        ] = None,
+        label_column: Annotated[
+            Optional[str],
+            typer.Option(
+                help="hf: the label column (default: the one ClassLabel feature); wds: the label key (default: cls).",
+                show_default=False,
+            ),
+        ] = None,
+        classnames: Annotated[
+            Optional[Path],
+            typer.Option(
+                help="hf:/wds: a class-name file, one name per line in label order (default: the ClassLabel's "
+                "names; for wds: classnames.txt beside the shards).",
+                show_default=False,
+            ),
+        ] = None,
         name: Annotated[
             Optional[str],
             typer.Option(
@@ -144,6 +170,15 @@ def register(app: typer.Typer) -> None:
         """Encode a dataset through a frozen open_clip model into a resumable feature store."""
         from fedfeat.encode import encode
 
+        if root is None:
+            if not dataset.startswith(("hf:", "wds:")):
+                from fedfeat.errors import FedfeatError
+
+                raise FedfeatError(
+                    f"--root is required for --dataset {dataset}: the dataset folder on disk, "
+                    "e.g. --root ~/data/cifar-10-batches-py"
+                )
+            root = Path(".")
         path = encode(
             dataset,
             root,
@@ -162,6 +197,11 @@ def register(app: typer.Typer) -> None:
             chunk_rows=chunk_rows,
             distributed=True if distributed else None,
             cache_dir=cache_dir,
+            dataset_options={
+                "image_column": image_column,
+                "label_column": label_column,
+                "classnames": classnames,
+            },
         )
         if int(os.environ.get("RANK", "0")) == 0:
             typer.echo(str(path))

@@ -534,6 +534,33 @@ def _list_split_name(stem: str) -> str:
     return known[-1] if known else parts[-1]
 
 
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise FedfeatError(f"cannot read {path} ({e}); expected a UTF-8 text file") from None
+
+
+def read_class_names(path: Path) -> list[str]:
+    """Class names from a text file, one per line in label order (``_`` -> space); a leading label number
+    (``0 tench``, any order) or WordNet id (``n01440764 tench``) on every line is dropped."""
+    lines = [ln.strip() for ln in _read_text(path).splitlines() if ln.strip()]
+    if not lines:
+        raise FedfeatError(f"{path} is empty; expected one class name per line")
+    parts = [ln.split(None, 1) for ln in lines]
+    if all(len(p) == 2 and p[0].isdigit() for p in parts):  # "0 tench": label number first
+        ids = [int(p[0]) for p in parts]
+        if sorted(ids) != list(range(len(ids))):
+            raise FedfeatError(f"{path}: the leading label numbers are not 0..{len(ids) - 1}; fix the file")
+        names = [""] * len(ids)
+        for k, p in zip(ids, parts):
+            names[k] = p[1]
+        lines = names
+    elif all(len(p) == 2 and re.fullmatch(r"n\d{8}", p[0]) for p in parts):  # "n01440764 tench"
+        lines = [p[1] for p in parts]
+    return [clean_class_name(n) for n in lines]
+
+
 class ListFile(_FileDataset):
     """``<split>.txt`` lists of ``path label`` lines and a class-name file (ImageNet-LT, CPL/CoOp bundles)."""
 
@@ -572,29 +599,10 @@ class ListFile(_FileDataset):
             self._read_list(split, by_split[split])
 
     def _read_names(self, path: Path) -> list[str]:
-        lines = [ln.strip() for ln in self._text(path).splitlines() if ln.strip()]
-        if not lines:
-            raise FedfeatError(f"{path} is empty; expected one class name per line")
-        parts = [ln.split(None, 1) for ln in lines]
-        if all(len(p) == 2 and p[0].isdigit() for p in parts):  # "0 tench": label number first
-            ids = [int(p[0]) for p in parts]
-            if sorted(ids) != list(range(len(ids))):
-                raise FedfeatError(
-                    f"{path}: the leading label numbers are not 0..{len(ids) - 1}; fix the file"
-                )
-            names = [""] * len(ids)
-            for k, p in zip(ids, parts):
-                names[k] = p[1]
-            lines = names
-        elif all(len(p) == 2 and re.fullmatch(r"n\d{8}", p[0]) for p in parts):  # "n01440764 tench"
-            lines = [p[1] for p in parts]
-        return [clean_class_name(n) for n in lines]
+        return read_class_names(path)
 
     def _text(self, path: Path) -> str:
-        try:
-            return path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise FedfeatError(f"cannot read {path} ({e}); expected a UTF-8 text file") from None
+        return _read_text(path)
 
     def _read_list(self, split: str, path: Path) -> None:
         paths, labels = [], []
@@ -628,8 +636,11 @@ DATASETS: dict[str, type[ImageDataset]] = {
 }
 
 
-def open_dataset(name: str, root: str | Path) -> ImageDataset:
+def open_dataset(name: str, root: str | Path, options: dict | None = None) -> ImageDataset:
     """Open dataset format ``name`` at ``root`` (see the module docstring for the layouts).
+
+    ``hf:NAME[:CONFIG]`` and ``wds:PATTERN`` (``fedfeat.datasets_hf``) resolve relative names against ``root``
+    and take ``options``: ``image_column``, ``label_column``, ``classnames`` (a class-name file).
 
     Example::
 
@@ -637,8 +648,18 @@ def open_dataset(name: str, root: str | Path) -> ImageDataset:
         >>> ds.labels("test").dtype
         dtype('int64')
     """
+    opts = {k: v for k, v in (options or {}).items() if v is not None}
+    if name.startswith(("hf:", "wds:")):
+        from fedfeat.datasets_hf import open_external
+
+        return open_external(name, Path(root).expanduser(), **opts)
+    if opts:
+        flag = "--" + next(iter(opts)).replace("_", "-")
+        raise FedfeatError(f"{flag} applies to hf: and wds: datasets only, not to '{name}'; drop it")
     if name not in DATASETS:
-        raise FedfeatError(f"unknown dataset '{name}'; known: {', '.join(DATASETS)}")
+        raise FedfeatError(
+            f"unknown dataset '{name}'; known: {', '.join(DATASETS)}, hf:NAME[:CONFIG], wds:PATTERN"
+        )
     root = Path(root).expanduser()
     if not root.exists():
         raise FedfeatError(f"dataset root {root} does not exist; expected {DATASETS[name].layout}")
