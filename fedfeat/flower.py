@@ -76,10 +76,14 @@ def load_partition(partition, store=None):
 
     if isinstance(partition, Partition):
         return partition, partition.params.get("split", "train")
-    if isinstance(partition, str) and store is not None:
-        st = _open(store)
-        if partition in st.partition_keys():
-            return st.load_partition(partition), st.partition_info(partition).get("split", "train")
+    if not isinstance(partition, (str, Path)):
+        raise FedfeatError(
+            f"partition must be a stored key, an exported JSON file or a fedfeat.partition.Partition, not "
+            f"{type(partition).__name__}"
+        )
+    st = _open(store) if store is not None else None
+    if isinstance(partition, str) and st is not None and partition in st.partition_keys():
+        return st.load_partition(partition), st.partition_info(partition).get("split", "train")
     path = Path(partition)
     if path.suffix == ".json" or path.is_file():
         if not path.is_file():
@@ -88,16 +92,12 @@ def load_partition(partition, store=None):
             )
         p = from_json(path)
         return p, p.params.get("split", "train")
-    known = ", ".join(_open(store).partition_keys()) if store is not None else ""
+    where = (
+        f" in store {st.path} (stored: {', '.join(st.partition_keys()) or 'none'})" if st is not None else ""
+    )
     raise FedfeatError(
-        f"no partition {partition!r}"
-        + (
-            f" in store {getattr(_open(store), 'path', store)} (stored: {known or 'none'})"
-            if store is not None
-            else ""
-        )
-        + "; pass a stored key (make it with `fedfeat partition STORE ...`), a file from `fedfeat partition ... "
-        "--export FILE`, or a fedfeat.partition.Partition"
+        f"no partition {partition!r}{where}; pass a stored key (make it with `fedfeat partition STORE ...`), a file "
+        "from `fedfeat partition ... --export FILE`, or a fedfeat.partition.Partition"
     )
 
 
