@@ -13,7 +13,8 @@ output name; ``dataset`` there is the ``--dataset`` argument, the file name uses
 as fractions in [0, 1] (``acc5`` is NaN when the dataset has fewer than 5 classes, as there: ``json.dump`` writes
 it as ``NaN``, which ``json.load`` and ``clip_benchmark build`` read back), ``mean_per_class_recall`` is
 scikit-learn's ``balanced_accuracy_score(target, pred)``: the mean over the classes present in the targets of
-each class's recall. ``clip_benchmark build runs/*/ -o benchmark.csv`` merges these files with its own.
+each class's recall. ``clip_benchmark build runs/*/*_zeroshot_classification.json --output benchmark.csv`` merges
+these files with its own (name the files: given a directory, ``build`` would read ``summary.json`` too).
 
 The metrics are computed from the run's zero-shot logits on the store's test split (all classes; the split's rows
 with label -1 are left out, as in training). fedfeat's default prompt is the store's first template
