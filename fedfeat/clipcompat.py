@@ -15,7 +15,12 @@ Three things happen here and nowhere else:
 2. **Backbones.** ``resolve_backbone`` takes an open_clip architecture name (``RN50``, ``ViT-B-32``), an
    OpenAI spelling (``ViT-B/32``), or a path to an open_clip-style JSON model config (``{"embed_dim",
    "vision_cfg", "text_cfg"}``, or an ``open_clip_config.json`` with ``model_cfg`` / ``preprocess_cfg``),
-   registered with ``open_clip.add_model_config`` under the file's stem.
+   registered with ``open_clip.add_model_config`` under the file's stem. open_clip's schemas work too:
+   ``local-dir:PATH`` (a folder with ``open_clip_config.json`` and its weights, ``open_clip_model.safetensors`` or
+   ``open_clip_pytorch_model.bin``) and ``hf-hub:org/repo`` (the same two files of a Hugging Face repo, read from
+   the local Hugging Face cache; downloaded only under the rules of 3. below). Their config is registered under the
+   folder's / repo's name and their weights are the default ``--pretrained`` (a checkpoint file: its name and
+   sha256 are fingerprinted, plus the repo id for ``hf-hub:``, so the live encoder is rebuilt from the cache).
 
 3. **Weights, offline-safe.** ``resolve_weights`` takes an open_clip pretrained tag (``openai`` is the
    default for architectures that have it) or a local checkpoint file (``.pt`` / ``.pth`` / ``.bin`` /
@@ -148,6 +153,8 @@ class Backbone:
     config: dict  # the model config (embed_dim, vision_cfg, text_cfg, ...)
     config_file: str | None = None  # the JSON file it came from, if any
     preprocess: dict = field(default_factory=dict)  # preprocess_cfg of an open_clip_config.json, else {}
+    source: str | None = None  # "hf-hub:org/repo" or "local-dir:/abs/folder" it came from, if any
+    weights_file: Path | None = None  # the checkpoint found beside that config (the default --pretrained)
 
     @property
     def embed_dim(self) -> int:
@@ -162,8 +169,11 @@ def _looks_like_path(spec: str) -> bool:
     return spec.endswith(".json") or Path(spec).expanduser().is_file()
 
 
-def resolve_backbone(spec: str) -> Backbone:
-    """Resolve ``--backbone``: an open_clip name (``RN50``), OpenAI spelling (``ViT-B/32``) or JSON config.
+def resolve_backbone(
+    spec: str, *, cache_dir: str | Path | None = None, probe_timeout: float = 5.0
+) -> Backbone:
+    """Resolve ``--backbone``: an open_clip name (``RN50``), OpenAI spelling (``ViT-B/32``), JSON config,
+    ``local-dir:PATH`` or ``hf-hub:org/repo`` (``cache_dir``: the Hugging Face cache to look in, default the usual).
 
     Example::
 
@@ -171,8 +181,14 @@ def resolve_backbone(spec: str) -> Backbone:
         1024
         >>> resolve_backbone("configs/tiny-vit.json").name   # registered under the file's stem
         'tiny-vit'
+        >>> resolve_backbone("hf-hub:laion/CLIP-ViT-B-32-laion2B-s34B-b79K").weights_file.name  # doctest: +SKIP
+        'open_clip_model.safetensors'
     """
     oc = import_open_clip()
+    if spec.startswith(LOCAL_DIR_PREFIX):
+        return _backbone_from_dir(oc, spec)
+    if spec.startswith(HF_HUB_PREFIX):
+        return _backbone_from_hub(oc, spec, cache_dir, probe_timeout)
     if _looks_like_path(spec):
         return _backbone_from_file(oc, Path(spec).expanduser())
     name = spec.replace("/", "-")
@@ -186,7 +202,7 @@ def resolve_backbone(spec: str) -> Backbone:
     return Backbone(name=name, config=oc.get_model_config(name))
 
 
-def _backbone_from_file(oc: ModuleType, path: Path) -> Backbone:
+def _backbone_from_file(oc: ModuleType, path: Path, name: str | None = None) -> Backbone:
     if not path.is_file():
         raise FedfeatError(
             f"backbone config {path} not found; pass an open_clip architecture name or a JSON file"
@@ -198,17 +214,20 @@ def _backbone_from_file(oc: ModuleType, path: Path) -> Backbone:
             f"cannot read backbone config {path} ({e}); expected an open_clip JSON model config"
         ) from None
     preprocess: dict = {}
-    name = path.stem
+    fixed = name is not None
+    name = name or path.stem
     if isinstance(data, dict) and "model_cfg" in data:  # open_clip_config.json (Hugging Face layout)
         preprocess = dict(data.get("preprocess_cfg") or {})
         data = data["model_cfg"]
-        if name == "open_clip_config":
+        if name == "open_clip_config" and not fixed:
             name = path.parent.name
     if not isinstance(data, dict) or not all(k in data for k in ("embed_dim", "vision_cfg", "text_cfg")):
         raise FedfeatError(
             f"{path} is not an open_clip model config: it needs 'embed_dim', 'vision_cfg' and 'text_cfg' "
             "(see open_clip/model_configs/RN50.json)"
         )
+    if fixed and name in oc.list_models() and oc.get_model_config(name) != data:
+        name = f"{name}-{_sha256_json(data)[:8]}"  # never replace another architecture of that name
     if path.name != f"{name}.json" or preprocess:
         # add_model_config registers files by stem and wants the bare config: write one under the right name.
         tmp = Path(tempfile.mkdtemp(prefix="fedfeat-cfg-")) / f"{name}.json"
@@ -217,6 +236,146 @@ def _backbone_from_file(oc: ModuleType, path: Path) -> Backbone:
     else:
         oc.add_model_config(path)
     return Backbone(name=name, config=oc.get_model_config(name), config_file=str(path), preprocess=preprocess)
+
+
+HF_HUB_PREFIX = "hf-hub:"  # open_clip's schemas (open_clip.factory), without importing open_clip
+LOCAL_DIR_PREFIX = "local-dir:"
+HF_CONFIG_NAME = "open_clip_config.json"
+# checkpoint names in a model folder, preferred first (open_clip.factory._find_checkpoint_in_dir's order)
+DIR_CHECKPOINTS = (
+    HF_SAFE_WEIGHTS_NAME, "open_clip_pytorch_model.safetensors", HF_WEIGHTS_NAME, "open_clip_pytorch_model.pth",
+    "model.safetensors", "pytorch_model.bin", "pytorch_model.pth", "model.pth",
+)  # fmt: skip
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _safe_name(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._+-]+", "_", s).strip("._") or "model"
+
+
+def dir_checkpoint(folder: Path) -> Path | None:
+    """The weights file of a model folder (``local-dir:`` or a hub snapshot), as open_clip picks it."""
+    for n in DIR_CHECKPOINTS:
+        if (folder / n).is_file():
+            return folder / n
+    found = sorted(
+        p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pth") and p.is_file()
+    )
+    return found[0] if len(found) == 1 else None
+
+
+def _backbone_from_dir(oc: ModuleType, spec: str) -> Backbone:
+    raw = spec[len(LOCAL_DIR_PREFIX) :]
+    folder = Path(raw).expanduser()
+    if not raw or not folder.is_dir():
+        raise FedfeatError(
+            f"--backbone {spec}: no folder {folder}; local-dir:PATH names a folder holding {HF_CONFIG_NAME} and its "
+            f"weights ({HF_SAFE_WEIGHTS_NAME} or {HF_WEIGHTS_NAME})"
+        )
+    cfg = folder / HF_CONFIG_NAME
+    if not cfg.is_file():
+        raise FedfeatError(
+            f"--backbone {spec}: {cfg} not found; a local-dir model folder holds {HF_CONFIG_NAME} (model_cfg, "
+            f"preprocess_cfg) beside its weights, as open_clip's push_to_hf_hub writes them"
+        )
+    folder = folder.absolute()
+    bb = _backbone_from_file(oc, cfg, name=_safe_name(folder.resolve().name))
+    return Backbone(
+        name=bb.name,
+        config=bb.config,
+        config_file=str(cfg.absolute()),
+        preprocess=bb.preprocess,
+        source=f"{LOCAL_DIR_PREFIX}{folder}",
+        weights_file=dir_checkpoint(folder),
+    )
+
+
+def hf_hub_cache_dir(cache_dir: str | Path | None = None) -> Path:
+    """The Hugging Face hub cache looked in: ``cache_dir``, else ``HF_HUB_CACHE`` / ``HF_HOME/hub`` as resolved by
+    huggingface_hub."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE).expanduser()
+
+
+def hub_cached_file(repo_id: str, filename: str, cache_dir: str | Path | None = None) -> Path | None:
+    """The local copy of ``filename`` of hub repo ``repo_id`` (its ``main`` revision) or None; never the network."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        hit = try_to_load_from_cache(repo_id, filename, cache_dir=str(hf_hub_cache_dir(cache_dir)))
+    except ValueError:  # an invalid repo id
+        return None
+    return Path(hit) if isinstance(hit, str) and Path(hit).is_file() else None
+
+
+def hub_cached_weights(repo_id: str, cache_dir: str | Path | None = None) -> Path | None:
+    """The cached weights of hub repo ``repo_id`` (safetensors first, as open_clip), or None."""
+    for fn in (HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME):
+        hit = hub_cached_file(repo_id, fn, cache_dir)
+        if hit is not None:
+            return hit
+    return None
+
+
+def _hub_fetch(repo_id: str, files: list[str], cache_dir, probe_timeout: float, what: str) -> Path:
+    """Download the first of ``files`` that the repo has, under ``resolve_weights``' offline rules (``HF_HUB_OFFLINE``
+    fails at once; otherwise only when the hub answers within ``probe_timeout`` s); a failure is one line."""
+    from huggingface_hub import constants
+
+    endpoint = constants.ENDPOINT
+    hint = (
+        f"get it on a machine with network (`hf download {repo_id} {HF_CONFIG_NAME} {HF_SAFE_WEIGHTS_NAME}` into "
+        f"the Hugging Face cache {hf_hub_cache_dir(cache_dir)}, copied here), or download the folder and pass "
+        f"--backbone {LOCAL_DIR_PREFIX}PATH"
+    )
+    if _offline_env():
+        raise FedfeatError(
+            f"{what} of {HF_HUB_PREFIX}{repo_id} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; "
+            + hint
+        )
+    ok, reason = network_reachable(
+        urlparse(endpoint).hostname or "huggingface.co", 443, timeout=probe_timeout
+    )
+    if not ok:
+        raise FedfeatError(
+            f"{what} of {HF_HUB_PREFIX}{repo_id} is not in the local Hugging Face cache and cannot be downloaded "
+            f"({reason}); " + hint
+        )
+    from huggingface_hub import hf_hub_download
+
+    last = ""
+    for fn in files:
+        try:
+            return Path(hf_hub_download(repo_id, fn, cache_dir=None if cache_dir is None else str(cache_dir)))
+        except Exception as e:  # missing file, missing repo, HTTP errors: try the next name, then report
+            last = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    raise FedfeatError(f"cannot download {what} of {HF_HUB_PREFIX}{repo_id} ({last}); " + hint)
+
+
+def _backbone_from_hub(oc: ModuleType, spec: str, cache_dir, probe_timeout: float) -> Backbone:
+    repo_id = spec[len(HF_HUB_PREFIX) :].strip("/")
+    if not _REPO_ID.match(repo_id):
+        raise FedfeatError(
+            f"--backbone {spec}: expected hf-hub:ORG/REPO (a Hugging Face model repo with {HF_CONFIG_NAME}), "
+            "e.g. hf-hub:laion/CLIP-ViT-B-32-laion2B-s34B-b79K"
+        )
+    cfg = hub_cached_file(repo_id, HF_CONFIG_NAME, cache_dir)
+    if cfg is None:
+        cfg = _hub_fetch(repo_id, [HF_CONFIG_NAME], cache_dir, probe_timeout, HF_CONFIG_NAME)
+    bb = _backbone_from_file(oc, cfg, name=_safe_name(repo_id.split("/")[-1]))
+    return Backbone(
+        name=bb.name,
+        config=bb.config,
+        config_file=str(cfg),
+        preprocess=bb.preprocess,
+        source=f"{HF_HUB_PREFIX}{repo_id}",
+        weights_file=hub_cached_weights(repo_id, cache_dir),
+    )
 
 
 # ---------------------------------------------------------------------------------------- weights
@@ -231,10 +390,11 @@ class Weights:
     quick_gelu: bool = False  # the tag was trained with QuickGELU
     preprocess: dict = field(default_factory=dict)  # the tag's mean/std/interpolation/resize_mode
     source: str = ""  # hf-hub id or URL of a tag; the path of a file
+    hub: str | None = None  # "hf-hub:org/repo" whose default weights these are (``--backbone hf-hub:...``)
 
     def fingerprint(self) -> dict:
         if self.kind == "file":
-            return {"file": self.label, "sha256": self.sha256}
+            return {"file": self.label, "sha256": self.sha256, **({"hf_hub": self.hub} if self.hub else {})}
         return {"tag": self.label, "source": self.source}
 
 
@@ -371,6 +531,8 @@ def resolve_weights(
         'openai'
     """
     oc = import_open_clip()
+    if pretrained is None and backbone.source is not None:  # local-dir: / hf-hub: carry their own weights
+        return _schema_weights(backbone, cache_dir, probe_timeout)
     tags = oc.list_pretrained_tags_by_model(backbone.name)
     if pretrained is None:
         if "openai" not in tags:
@@ -382,9 +544,10 @@ def resolve_weights(
         pretrained = "openai"
     path = Path(pretrained).expanduser()
     if path.is_file():
-        return Weights(
-            kind="file", label=path.name, file=path.resolve(), sha256=sha256_file(path), source=str(path)
-        )
+        file = path.resolve()
+        if file.suffix != path.suffix:  # a link to a hub cache's blob: the suffix picks open_clip's loader
+            file = path.absolute()
+        return Weights(kind="file", label=path.name, file=file, sha256=sha256_file(path), source=str(path))
     cfg = oc.get_pretrained_cfg(backbone.name, pretrained)
     if not cfg:
         if os.sep in pretrained or "/" in pretrained or pretrained.endswith(CHECKPOINT_SUFFIXES):
@@ -425,6 +588,101 @@ def resolve_weights(
         f"them ({reason}); fetch {what} on a machine with network and "
         f"pass --pretrained /path/to/checkpoint{qg}"
     )
+
+
+def _schema_weights(backbone: Backbone, cache_dir, probe_timeout: float) -> Weights:
+    """The default weights of a ``local-dir:`` / ``hf-hub:`` backbone: the checkpoint beside its config."""
+    f = backbone.weights_file
+    hub = backbone.source if backbone.source.startswith(HF_HUB_PREFIX) else None
+    if f is None and hub is not None:
+        repo_id = hub[len(HF_HUB_PREFIX) :]
+        f = _hub_fetch(
+            repo_id, [HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME], cache_dir, probe_timeout, "the weights"
+        )
+    if f is None:
+        raise FedfeatError(
+            f"no weights beside {backbone.source}'s {HF_CONFIG_NAME} (looked for {', '.join(DIR_CHECKPOINTS[:3])}); "
+            "put the checkpoint in that folder or pass --pretrained /path/to/checkpoint"
+        )
+    f = Path(f).absolute()  # not resolved: a hub cache's blob has no suffix, and the suffix picks the loader
+    return Weights(kind="file", label=f.name, file=f, sha256=sha256_file(f), source=str(f), hub=hub)
+
+
+# ---------------------------------------------------------------------------------------- what is here
+def hub_models(cache_dir: str | Path | None = None) -> list[dict]:
+    """open_clip models in the local Hugging Face cache (repos whose ``main`` snapshot has ``open_clip_config.json``):
+    ``[{"name": "hf-hub:org/repo", "config": path, "weights": path or None}]``, by name. Reads the disk only."""
+    root = hf_hub_cache_dir(cache_dir)
+    out = []
+    try:
+        entries = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("models--"))
+    except OSError:  # no cache yet
+        return []
+    for entry in entries:
+        repo_id = entry[len("models--") :].replace("--", "/")
+        cfg = hub_cached_file(repo_id, HF_CONFIG_NAME, root)
+        if cfg is not None:
+            w = hub_cached_weights(repo_id, root)
+            out.append(
+                {"name": f"{HF_HUB_PREFIX}{repo_id}", "config": str(cfg), "weights": str(w) if w else None}
+            )
+    return out
+
+
+def local_dir_models(folders) -> list[dict]:
+    """``local-dir:`` model folders among ``folders`` and their sub-folders (one level): ``[{"name":
+    "local-dir:/abs/folder", "config": path, "weights": path or None}]``."""
+    out, seen = [], set()
+    for f in folders:
+        f = Path(f).expanduser().absolute()
+        cands = [f] + (sorted(p for p in f.iterdir() if p.is_dir()) if f.is_dir() else [])
+        for d in cands:
+            if (d / HF_CONFIG_NAME).is_file() and d not in seen:
+                seen.add(d)
+                w = dir_checkpoint(d)
+                out.append(
+                    {
+                        "name": f"{LOCAL_DIR_PREFIX}{d}",
+                        "config": str(d / HF_CONFIG_NAME),
+                        "weights": str(w) if w else None,
+                    }  # fmt: skip
+                )
+    return out
+
+
+def list_models(*, all_tags: bool = False, cache_dir: str | Path | None = None, local_dirs=()) -> dict:
+    """What ``--backbone`` / ``--pretrained`` can be here, without any network: every open_clip architecture with
+    its pretrained tags whose weights are in a local cache (``find_cached_weights``: the Hugging Face cache, or
+    ``~/.cache/clip`` for URL-only tags) and, with ``all_tags``, the tags that would need a download; ``hf-hub:``
+    models in the Hugging Face cache; ``local-dir:`` folders among ``local_dirs``.
+
+    Example::
+
+        >>> m = list_models()
+        >>> [a["name"] for a in m["architectures"] if a["local"]]   # doctest: +SKIP
+        ['RN50']
+    """
+    oc = import_open_clip()
+    archs = []
+    for name in oc.list_models():
+        local, other = [], []
+        for tag in oc.list_pretrained_tags_by_model(name):
+            f = find_cached_weights(oc.get_pretrained_cfg(name, tag), cache_dir)
+            if f is not None:
+                local.append({"tag": tag, "file": str(f)})
+            else:
+                other.append(tag)
+        cfg = oc.get_model_config(name) or {}
+        row: dict[str, Any] = {"name": name, "embed_dim": cfg.get("embed_dim"), "local": local}
+        if all_tags:
+            row["not_local"] = other
+        archs.append(row)
+    return {
+        "architectures": archs,
+        "hf_hub": hub_models(cache_dir),
+        "local_dir": local_dir_models(local_dirs),
+        "hf_hub_cache": str(hf_hub_cache_dir(cache_dir)),
+    }
 
 
 # ---------------------------------------------------------------------------------------- devices, precision

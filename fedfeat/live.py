@@ -3,7 +3,9 @@ train prompts (their class embeddings change every step, so the text tower runs 
 
 A store records its backbone (``attrs["backbone"]``, the full model config in ``attrs["backbone_config"]`` since
 this module exists, and the config's sha256 in its fingerprint) and its weights (an open_clip tag, or a checkpoint
-file's name, sha256 and -- since this module exists -- path). ``load_live_text`` rebuilds the same architecture
+file's name, sha256 and -- since this module exists -- path; for ``--backbone hf-hub:ORG/REPO`` also the repo, so the
+file is found in this machine's Hugging Face cache when the recorded path is not there; ``local-dir:`` stores
+record the folder's checkpoint path). ``load_live_text`` rebuilds the same architecture
 with the same weights under ``encode``'s offline rules (a tag must be in the local cache, or its host reachable
 with ``HF_HUB_OFFLINE`` unset; a file must exist and have the recorded sha256; ``pretrained`` overrides where the
 file is looked for), frozen, in eval mode, on the run's device, in float32.
@@ -94,6 +96,12 @@ def _weights(bb, st, pretrained: str | None, cache_dir):
         return w
     want, label = wfp.get("sha256"), wfp.get("file", "?")
     where = pretrained or st.attrs.get("weights_file")
+    hub = wfp.get("hf_hub")  # --backbone hf-hub:ORG/REPO: the repo's file in the local HF cache
+    if not pretrained and hub and (where is None or not Path(where).expanduser().is_file()):
+        repo_id = hub[len(clipcompat.HF_HUB_PREFIX) :]
+        where = clipcompat.hub_cached_file(repo_id, label, cache_dir) or clipcompat._hub_fetch(
+            repo_id, [label], cache_dir, 5.0, f"the weights ({label}) store {st.path} was encoded with"
+        )
     if where is None or not Path(where).expanduser().is_file():
         seen = f" (not found at {where})" if where else ""
         raise FedfeatError(
