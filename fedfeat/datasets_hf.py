@@ -246,22 +246,21 @@ class HFDataset(ImageDataset):
         self._images: dict = {}  # split -> Dataset of the image column, undecoded ({"bytes", "path"} rows)
         self._parts: dict = {}  # split -> the source Dataset
         self._external: dict[str, list[tuple[int, str]]] = {}  # split -> (row, image file) for path-only rows
-        self._dropped: list[str] = []
-        for split, src in _split_map(list(parts)).items():
-            d = parts[src]
+        self.dropped_splits: list[str] = []  # empty or unlabelled source splits
+        labelled: dict[str, np.ndarray] = {}  # source split -> labels
+        for src, d in parts.items():
             for col in (self.image_column, self.label_column):
                 if col not in d.column_names:
                     raise FedfeatError(
                         f"{self.label}: split '{src}' has no column '{col}'; columns: "
                         f"{', '.join(d.column_names)}"
                     )
-            if len(d) == 0:
-                self._dropped.append(src)
-                continue
-            arrow = d.with_format("arrow")
-            y = pc.fill_null(arrow[self.label_column], -1).to_numpy(zero_copy_only=False).astype(np.int64)
-            if (y == -1).all():  # an unlabelled split (ImageNet's test): nothing to train or test on
-                self._dropped.append(src)
+            y = np.zeros(0, dtype=np.int64)
+            if len(d):
+                col = d.with_format("arrow")[self.label_column]
+                y = pc.fill_null(col, -1).to_numpy(zero_copy_only=False).astype(np.int64)
+            if not len(y) or (y == -1).all():  # empty, or unlabelled (ImageNet's test): nothing to learn from
+                self.dropped_splits.append(src)
                 continue
             if (y == -1).any():
                 raise FedfeatError(
@@ -274,7 +273,10 @@ class HFDataset(ImageDataset):
                 f"{self.label} split '{src}'",
                 "choose --label-column or --classnames to match",
             )
-            images = arrow[self.image_column]
+            labelled[src] = y
+        for split, src in _split_map(list(labelled)).items():
+            d = parts[src]
+            images = d.with_format("arrow")[self.image_column]
             no_bytes = pc.is_null(pc.struct_field(images, "bytes")).to_numpy(zero_copy_only=False)
             if no_bytes.any():  # images stored as file paths: read (and fingerprint) those files
                 paths = pc.struct_field(images, "path").to_pylist()
@@ -284,7 +286,7 @@ class HFDataset(ImageDataset):
             self._images[split] = d.select_columns([self.image_column]).cast_column(
                 self.image_column, dsm.Image(decode=False)
             )
-            self._labels[split] = y
+            self._labels[split] = labelled[src]
         if not self._labels:
             raise FedfeatError(
                 f"{self.label} has no labelled rows in any split ({', '.join(parts)}); expected {self.layout}"
@@ -406,6 +408,7 @@ class HFDataset(ImageDataset):
             "image_column": self.image_column,
             "label_column": self.label_column,
             "splits": dict(self.split_sources),
+            "left_out": list(self.dropped_splits),
         }
         return fp
 

@@ -216,6 +216,54 @@ def test_changed_shard_reencodes_only_its_rows(folder, tmp_path):
     assert other == set() and rows["test"].tolist() == list(range(6))
 
 
+def write_hf_cache(folder, cache: Path) -> None:
+    """``tiny/pets`` as the local ``datasets`` cache holds a Hub dataset (``tiny___pets/default/0.0.0/<hash>/``:
+    ``pets-<split>.arrow`` + ``dataset_info.json``): train, validation, and an unlabelled test (labels -1)."""
+    import pyarrow as pa
+
+    feats = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=list(CLASSES))})
+    d = cache / "tiny___pets" / "default" / "0.0.0" / "0123abcd"
+    d.mkdir(parents=True)
+    splits = datasets.SplitDict()
+    for split, src in (("train", "train"), ("validation", "test"), ("test", "test")):
+        y = folder.labels[src].tolist() if split != "test" else [-1] * len(folder.paths[src])
+        images = [{"bytes": p.read_bytes(), "path": None} for p in folder.paths[src]]
+        table = datasets.Dataset.from_dict({"image": images, "label": y}, features=feats).data.table
+        with pa.OSFile(str(d / f"pets-{split}.arrow"), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+            w.write_table(table)
+        splits.add(datasets.SplitInfo(name=split, num_examples=len(y), dataset_name="pets"))
+    info = datasets.DatasetInfo(
+        features=feats, config_name="default", dataset_name="pets", builder_name="parquet", splits=splits
+    )
+    info.write_to_directory(str(d))
+
+
+def test_hf_local_cache_is_read_offline(folder, tmp_path, monkeypatch):
+    """A dataset in the local datasets cache is read with offline mode forced (even with HF_HUB_OFFLINE unset,
+    and restored afterwards); the unlabelled test split is left out and validation becomes test; a name that
+    is not cached fails at once naming the cache, without trying the network."""
+    import huggingface_hub.constants as hub
+
+    write_hf_cache(folder, tmp_path / "hfcache")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hfcache"))
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
+    ds = open_dataset("hf:tiny/pets:default", tmp_path)
+    assert (datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE) == (False, False)
+    assert ds.split_names == ["train", "test"] and ds.class_names == ["cat", "dog", "sea lion"]
+    assert ds.split_sources == {"train": "train", "test": "validation"} and ds.dropped_splits == ["test"]
+    np.testing.assert_array_equal(ds.labels("test"), folder.labels["test"])
+    assert np.array_equal(np.asarray(ds.load_image("test", 3)), np.asarray(folder_image(folder, "test", 3)))
+    assert [n for n, _ in ds.files()] == ["pets-train.arrow", "pets-validation.arrow"]
+    from fedfeat.datasets_hf import default_store_name
+
+    assert default_store_name("hf:tiny/pets:default", tmp_path) == "pets-default"
+    t = time.monotonic()
+    with pytest.raises(FedfeatError, match=r"'nobody/nothing' is not in the local datasets cache .*hfcache"):
+        open_dataset("hf:nobody/nothing", tmp_path)
+    assert time.monotonic() - t < 5
+
+
 # ---------------------------------------------------------------------------------------- errors and options
 def test_missing_extra_is_one_line(monkeypatch, tmp_path):
     """Without the optional packages: one line naming the extra, nothing else."""
@@ -267,6 +315,8 @@ def test_columns_named_by_flags_and_errors(tc, folder, tmp_path):
         open_dataset(f"wds:{root}", ".")
     ds = open_dataset(f"wds:{root}/train/{{0..1}}.tar", ".", {"classnames": tmp_path / "names.txt"})
     assert ds.split_names == ["train"] and ds.n("train") == 12
+    with pytest.raises(FedfeatError, match="sample 's0000000' in .*0.tar has no image \\(jpg\\)"):
+        open_dataset(f"wds:{root}/train", ".", {"classnames": tmp_path / "names.txt", "image_column": "JPG"})
     with tarfile.open(tmp_path / "z.tar", "w:gz") as tf:
         tf.add(root / "train" / "0.tar", arcname="x.tar")
     with pytest.raises(FedfeatError, match="not a readable uncompressed tar file"):
