@@ -724,14 +724,21 @@ def _train_locked(
     return rd.final
 
 
-def stack_group(cfg: RunConfig) -> tuple | None:
+def stack_group(cfg: RunConfig, mode: str = "always") -> tuple | None:
     """Runs with equal groups can be made as one stacked program (``fedfeat.stack``): one stackable method, the
     same store, partition, data geometry and output; seed, participation and hyperparameters may differ. None:
-    this run is made on its own (another method, the loop engine, ``--kernel fused``, torchrun, a resume)."""
+    this run is made on its own (another method, the loop engine, ``--kernel fused``, torchrun, a resume).
+    ``mode="auto"``: only where the run alone would use the torch program (a GPU, ``--kernel torch``): on a CPU
+    the fused kernel of one run is faster than its share of a stacked torch program (BENCHMARKS.md)."""
     from fedfeat.methods import get_method
     from fedfeat.stack import stack_key
 
-    if cfg.engine != "batched" or cfg.kernel == "fused" or cfg.local_test not in (None, "none"):
+    if mode not in ("auto", "always", "never"):
+        raise FedfeatError(f"unknown stack mode {mode!r}; choose auto, always or never")
+    if mode == "never" or cfg.engine != "batched" or cfg.kernel == "fused" or cfg.local_test not in (None, "none"):
+        return None
+    method = get_method(cfg.method, cfg.params)
+    if mode == "auto" and resolve_kernel(cfg.kernel, method, cfg.engine, resolve_device(cfg.device)) == "fused":
         return None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun shards one run's clients instead
         return None
@@ -739,7 +746,7 @@ def stack_group(cfg: RunConfig) -> tuple | None:
         return None
     extra = (str(cfg.store), cfg.partition, cfg.clients, cfg.alpha, cfg.shards, cfg.imbalance_factor, cfg.shots,
              cfg.partition_seed, cfg.rounds, cfg.device, cfg.eval_every, cfg.shot_thresholds, str(cfg.out))  # fmt: skip
-    return stack_key(get_method(cfg.method, cfg.params), extra)
+    return stack_key(method, extra)
 
 
 def train_stacked(cfgs: list[RunConfig], *, overwrite: bool = False, log=print) -> list:

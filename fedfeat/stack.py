@@ -24,14 +24,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from fedfeat.engine import (
-    Context,
     RunData,
     build_context,
     check_finite,
@@ -119,9 +117,7 @@ def run_stacked(
     fst = name == "fst-cbdg"
     p0 = methods[0].p
     ctx0 = build_context(data, methods[0], seeds[0], device)
-    ctxs = [
-        dataclasses.replace(ctx0, seed=int(s), state={}, cache=ctx0.cache, rounds=rounds) for s in seeds
-    ]
+    ctxs = [dataclasses.replace(ctx0, seed=int(s), state={}, cache=ctx0.cache, rounds=rounds) for s in seeds]
     N, D, K = ctx0.feats.shape[0], ctx0.D, ctx0.K
     for m, c in zip(methods, ctxs):
         m.setup(c)
@@ -144,7 +140,20 @@ def run_stacked(
     alive = [True] * R
     test_y = data.test_y
     ok = [r for r in range(R) if _check(methods, ctxs, globs, 0, None, r, alive, results)]
-    _record(methods, ctxs, data, globs, rows, on_round, 0, ok, {r: _row0() for r in ok}, eval_every, rounds, test_y)
+    _record(
+        methods,
+        ctxs,
+        data,
+        globs,
+        rows,
+        on_round,
+        0,
+        ok,
+        {r: _row0() for r in ok},
+        eval_every,
+        rounds,
+        test_y,
+    )
     for rnd in range(1, rounds + 1):
         t0 = time.perf_counter()
         live = [r for r in range(R) if alive[r]]
@@ -196,7 +205,9 @@ def _check(methods, ctxs, globs, rnd, loss, r, alive, results) -> bool:
 
 
 @torch.no_grad()
-def _record(methods, ctxs, data, globs, rows, on_round, rnd, runs, extra, eval_every, rounds, test_y, t0=None):
+def _record(
+    methods, ctxs, data, globs, rows, on_round, rnd, runs, extra, eval_every, rounds, test_y, t0=None
+):
     """The runs' metric rows of round ``rnd``: one evaluation product for all of them (the heads stacked)."""
     if not runs:
         return
@@ -212,10 +223,16 @@ def _record(methods, ctxs, data, globs, rows, on_round, rnd, runs, extra, eval_e
             z = torch.baddbmm(b.unsqueeze(2), W, c0.test_xT().unsqueeze(0).expand(len(runs), -1, -1))
             pred = (scale.view(-1, 1, 1) * z).argmax(1)  # [r, Nt]
             correct = (pred == test_y.unsqueeze(0)).to(torch.float64)
-            per = torch.zeros(len(runs), K, dtype=torch.float64, device=test_y.device).index_add_(1, test_y, correct)
+            per = torch.zeros(len(runs), K, dtype=torch.float64, device=test_y.device).index_add_(
+                1, test_y, correct
+            )
             cnt = torch.bincount(test_y, minlength=K).to(torch.float64).clamp_min(1)
             evs = [
-                {"acc": float(correct[i].mean()) * 100, "per_class_acc": (100 * per[i] / cnt).tolist(), "pred": pred[i]}
+                {
+                    "acc": float(correct[i].mean()) * 100,
+                    "per_class_acc": (100 * per[i] / cnt).tolist(),
+                    "pred": pred[i],
+                }
                 for i in range(len(runs))
             ]
         else:  # local test splits / open vocabulary: each run's own evaluation
@@ -227,7 +244,12 @@ def _record(methods, ctxs, data, globs, rows, on_round, rnd, runs, extra, eval_e
             row = {"round": rnd, "test_acc": None, **extra[r]}
         else:
             ev = evs[i]
-            row = {"round": rnd, "test_acc": ev["acc"], "per_class_acc": ev["per_class_acc"], **ev.get("extra", {})}
+            row = {
+                "round": rnd,
+                "test_acc": ev["acc"],
+                "per_class_acc": ev["per_class_acc"],
+                **ev.get("extra", {}),
+            }
             row.update(extra[r])
             row.update(methods[r].round_metrics(ctxs[r], data, globs[r], ev))
         row["seconds"] = time.perf_counter() - t0
@@ -357,23 +379,25 @@ def _fst_loss(methods, ctxs, live, z, p, x, ib, mb, vr, rr, syn, hp, syn_sum, Qf
         return loss
     P = int(smask.sum(1).max())
     cls, smask, sign = syn["cls"][s, :n, :P], smask[:, :P], syn["sign"][s, :n, :P]
-    # each run's noise bank of this step (runs with one seed share it)
-    banks, which = {}, torch.empty(len(live), dtype=torch.int64)
-    for j, r in enumerate(live):
-        sd = ctxs[r].seed
-        if sd not in banks:
-            banks[sd] = (len(banks), methods[r]._noise(ctxs[r], rnd, epoch, s, P))
-        which[j] = banks[sd][0]
-    eps = torch.stack([e for _, e in banks.values()])  # [u, P, D]
-    run_pos = torch.empty(int(vr.max()) + 1, dtype=torch.int64)
-    run_pos[torch.as_tensor(live)] = torch.arange(len(live))
-    ev = eps[which[run_pos[vr.cpu()]].to(eps.device)]  # [n, P, D]
+    # each run's noise bank of this step (runs with one seed share it); W eps^T per bank, over its clients only
     W, b = p["W"], p["b"]
-    D = W.shape[2]
+    K, D = W.shape[1], W.shape[2]
+    seeds = torch.tensor([ctxs[r].seed for r in live])
+    run_pos = torch.empty(max(live) + 1, dtype=torch.int64)
+    run_pos[torch.as_tensor(live)] = torch.arange(len(live))
+    vseed = seeds[run_pos[vr.cpu()]]  # [n]
+    WE = W.new_empty(n, K, P)
+    ev = W.new_empty(n, P, D) if methods[live[0]].p.renormalize_synthetic else None
+    for sd in vseed.unique().tolist():
+        r = live[int((seeds == sd).nonzero()[0, 0])]
+        eps = methods[r]._noise(ctxs[r], rnd, epoch, s, P)  # [P, D]
+        sel = (vseed == sd).nonzero().squeeze(1).to(W.device)
+        Ws = W.index_select(0, sel)
+        WE.index_copy_(0, sel, torch.matmul(Ws.reshape(-1, D), eps.T).view(len(sel), K, P))
+        if ev is not None:
+            ev.index_copy_(0, sel, eps.expand(len(sel), P, D))
     sigma = (hp["sigma"][vr] / math.sqrt(D)).view(n, 1, 1)
     WT = torch.matmul(W, ctxs[0].text.T)  # [n, K, K]
-    WE = torch.bmm(W, ev.transpose(1, 2))  # [n, K, P]
-    K = W.shape[1]
     lin = torch.gather(WT, 2, cls.unsqueeze(1).expand(n, K, P)) + sigma * sign.unsqueeze(1) * WE
     if methods[live[0]].p.renormalize_synthetic:
         te = torch.bmm(ctxs[0].text.unsqueeze(0).expand(n, -1, -1), ev.transpose(1, 2))  # [n, K, P]

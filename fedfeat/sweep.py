@@ -26,13 +26,14 @@ partitions with their own parameters::
     partition = "dirichlet"
     alpha = 0.1
 
-**Stacking** (``stack=True``, the default; ``fedfeat sweep --no-stack``): the pending runs of a stackable method
-(``fedavg``, ``fedprox``, ``fst-cbdg``) that read the same data -- same store, partition, batch size, local
-epochs, rounds, output -- are made as one batched program along a run axis (``fedfeat.stack``): their seeds,
-participation and hyperparameters may differ. Each still gets its own ordinary run directory, with what the same
-run made alone with the torch program would give (``tests/test_stack.py``); its ``summary.json`` says
-``stacked_runs`` and ``kernel = "torch"``. Other runs are made one after another in the shared process
-(BENCHMARKS.md gives what each saves).
+**Stacking** (``fedfeat sweep --stack auto|always|never``): the pending runs of a stackable method (``fedavg``,
+``fedprox``, ``fst-cbdg``) that read the same data -- same store, partition, batch size, local epochs, rounds,
+output -- are made as one batched program along a run axis (``fedfeat.stack``): their seeds, participation and
+hyperparameters may differ. Each still gets its own ordinary run directory, with what the same run made alone
+with the torch program would give (``tests/test_stack.py``); its ``summary.json`` says ``stacked_runs`` and
+``kernel = "torch"``. ``auto`` (the default) stacks where a run alone would use the torch program (a GPU,
+``--kernel torch``); on a CPU a run's fused kernel is faster than its share of the stacked torch program
+(BENCHMARKS.md, "Stacked runs"), so there the runs are made one after another in the shared process.
 """
 
 from __future__ import annotations
@@ -190,7 +191,7 @@ def run_sweep(
     overwrite: bool = False,
     progress: bool = True,
     log=print,
-    stack: bool = True,
+    stack: str = "auto",
 ) -> list[Path]:
     """Make every point's run (skipping finished ones unless ``overwrite``); returns the run directories in the
     points' order. One process, one ``Session``; with ``stack``, runs that read the same data in one program
@@ -216,7 +217,7 @@ def run_sweep(
             seen[path] = i
         done: dict[int, Path] = {}
         pending = []
-        for i, (cfg, path) in enumerate(zip(cfgs, names)):
+        for i, path in enumerate(names):
             if (path / "summary.json").is_file() and not overwrite:
                 log(f"[{i + 1}/{len(cfgs)}] {path.name}: finished already, skipped")
                 done[i] = path
@@ -224,7 +225,7 @@ def run_sweep(
                 pending.append(i)
         groups: dict = {}
         for i in pending:
-            g = stack_group(cfgs[i]) if stack else None
+            g = stack_group(cfgs[i], stack)
             groups.setdefault(("one", i) if g is None else g, []).append(i)
         failed = None
         for members in groups.values():
@@ -235,7 +236,9 @@ def run_sweep(
                     log(f"[{i + 1}/{len(cfgs)}] {names[i].name}")
                     done[i] = run_train(cfgs[i], overwrite=overwrite, progress=progress, log=lambda *a: None)
                     continue
-                log(f"[{', '.join(str(i + 1) for i in chunk)}/{len(cfgs)}] {len(chunk)} runs stacked in one program")
+                log(
+                    f"[{', '.join(str(i + 1) for i in chunk)}/{len(cfgs)}] {len(chunk)} runs stacked in one program"
+                )
                 for i, res in zip(chunk, train_stacked([cfgs[i] for i in chunk], overwrite=overwrite,
                                                        log=lambda *a: None)):  # fmt: skip
                     if isinstance(res, FedfeatError):

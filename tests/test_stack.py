@@ -98,3 +98,34 @@ def test_a_diverging_run_stops_alone(data):
     assert isinstance(bad, FedfeatError) and "non-finite" in str(bad)
     want_w, _ = _one_by_one("fedavg", {}, 0, 0.5, data, 3)
     torch.testing.assert_close(good[0]["W"], want_w["W"], atol=1e-5, rtol=1e-5)
+
+
+def test_sweep_stacks_into_ordinary_run_directories(tmp_path):
+    """``fedfeat sweep --stack always``: each point an ordinary run directory with the one-by-one run's metrics."""
+    import json
+
+    store = tmp_path / "s.zarr"
+    r = run_cli(["synth", "--out", store, "--dim", "16", "--train-per-class", "20", "--test-per-class", "8",
+                 "--classes", "4", "--templates", "1", "--no-stats"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    common = ["sweep", "--method", "fst-cbdg", "--store", store, "--clients", "6", "--participation", "0.5",
+              "--rounds", "2", "--seed", "0,1", "--set", "sigma=0.5,2", "--kernel", "torch", "--quiet"]  # fmt: skip
+    for mode in ("always", "never"):
+        r = run_cli([*common, "--out", tmp_path / mode, "--stack", mode])
+        assert r.exit_code == 0, (r.output, r.exception)
+    runs = {}
+    for mode in ("always", "never"):
+        for d in sorted((tmp_path / mode).iterdir()):
+            s = json.loads((d / "summary.json").read_text())
+            rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+            runs.setdefault(d.name, {})[mode] = (s, rows)
+    assert len(runs) == 4
+    for both in runs.values():
+        (sa, ra), (sb, rb) = both["always"], both["never"]
+        assert (
+            sa["stacked_runs"] == 4 and "stacked_runs" not in sb and sa["kernel"] == sb["kernel"] == "torch"
+        )
+        assert [x["test_acc"] for x in ra] == pytest.approx([x["test_acc"] for x in rb], abs=1e-9)
+        assert [x["train_loss"] for x in ra[1:]] == pytest.approx([x["train_loss"] for x in rb[1:]], abs=1e-5)
+    r = run_cli([*common, "--out", tmp_path / "bad", "--stack", "sometimes"])
+    assert r.exit_code != 0 and "unknown stack mode 'sometimes'" in r.output
