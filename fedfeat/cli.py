@@ -53,7 +53,12 @@ app = typer.Typer(
 
 @app.command()
 def synth(
-    out: Path = typer.Option(Path("cache/synth-cifar10.zarr"), "--out", help="Store directory to write."),
+    out: str = typer.Option(
+        "cache/synth-cifar10.zarr",
+        "--out",
+        help="Store directory to write, or an fsspec URL (memory://, s3:// with s3fs, gs:// with gcsfs): written "
+        "locally in a temporary folder, then copied there (its root metadata last).",
+    ),
     preset: str = typer.Option(
         "cifar10-rn50",
         help="Named parameter set: cifar10-rn50 (CIFAR-10 under RN50) or caltech101-vitl14 (Fed-MP's Caltech101 "
@@ -87,8 +92,33 @@ def synth(
         templates=templates,
     )
     p = dataclasses.replace(PRESETS[preset], seed=seed, **{k: v for k, v in given.items() if v is not None})
-    write_synthetic_store(out, p, force=force, stats=stats, log=typer.echo)
-    typer.echo(f"store: {out}")
+    from fedfeat.store import is_url, store_location
+
+    if not is_url(out):
+        write_synthetic_store(store_location(out), p, force=force, stats=stats, log=typer.echo)
+        typer.echo(f"store: {out}")
+        return
+    import shutil
+    import tempfile
+
+    from fedfeat.store import FeatureStore, copy_store, is_store
+
+    url = store_location(out)
+    tmp = Path(tempfile.mkdtemp(prefix="fedfeat-synth-"))
+    try:
+        local = write_synthetic_store(tmp / "store.zarr", p, stats=stats, log=typer.echo)
+        if is_store(url) and not force:
+            there = FeatureStore.open(url, allow_incomplete=True)
+            if not there.complete or there.attrs.get("fingerprint_hash") != local.attrs["fingerprint_hash"]:
+                raise FedfeatError(
+                    f"{url} holds a different or incomplete store; pass --force to replace it, or choose --out"
+                )
+            typer.echo(f"{url}: a synthetic store with these parameters exists; nothing to do")
+        else:
+            copy_store(tmp / "store.zarr", url, overwrite=force, log=typer.echo)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    typer.echo(f"store: {url}")
 
 
 @app.command()
@@ -208,7 +238,11 @@ def models(
         typer.echo(json.dumps(found, indent=2))
         return
     con = Console(width=160, highlight=False)
-    t = Table(title="open_clip architectures (--backbone NAME, --pretrained TAG)", title_justify="left", min_width=60)
+    t = Table(
+        title="open_clip architectures (--backbone NAME, --pretrained TAG)",
+        title_justify="left",
+        min_width=60,
+    )
     t.add_column("architecture", no_wrap=True)
     t.add_column("D", justify="right")
     t.add_column("weights here (tags)", overflow="fold")

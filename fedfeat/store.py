@@ -881,6 +881,55 @@ class FeatureStore:
         }
 
 
+# ---------------------------------------------------------------------------------------- copying
+def _fs_of(loc: Path | str):
+    if isinstance(loc, Path):
+        from fsspec.implementations.local import LocalFileSystem
+
+        return LocalFileSystem(auto_mkdir=True), str(loc.absolute())
+    return url_filesystem(loc)
+
+
+def copy_store(src: str | Path, dst: str | Path, *, overwrite: bool = False, log=None) -> Path | str:
+    """Copy the complete store ``src`` to ``dst`` (local paths or store URLs, e.g. a local store to ``s3://``).
+    Every object is copied before the root ``zarr.json`` (which holds the store attributes and the complete flag):
+    an interrupted copy is not a store, never a store that reads as complete. ``dst`` must not exist unless
+    ``overwrite`` (a fedfeat store there, or a copy cut short, is replaced). Returns ``dst``'s location.
+
+    Example::
+
+        >>> copy_store("cache/synth-cifar10.zarr", "s3://bucket/synth-cifar10.zarr")   # doctest: +SKIP
+        's3://bucket/synth-cifar10.zarr'
+    """
+    FeatureStore.open(src)  # complete and readable, or a one-line error
+    s_loc, d_loc = store_location(src), store_location(dst)
+    if store_exists(d_loc):
+        if not overwrite:
+            raise FedfeatError(f"{d_loc} already exists; pass --force to replace it")
+        if not is_store(d_loc) and not (
+            group_meta(d_loc) is None and group_meta(f"{d_loc}/text") is not None
+        ):
+            raise FedfeatError(  # only a store, or a copy cut short (no root zarr.json), is ever deleted
+                f"{d_loc} exists and is not a fedfeat store; choose another destination"
+            )
+        dfs, dp = _fs_of(d_loc)
+        dfs.rm(dp, recursive=True)
+    sfs, sp = _fs_of(s_loc)
+    dfs, dp = _fs_of(d_loc)
+    files = sorted(f for f in sfs.find(sp) if not f.rsplit("/", 1)[-1].startswith(".write-probe-"))
+    root = f"{sp.rstrip('/')}/zarr.json"
+    try:
+        for f in [f for f in files if f != root] + [root]:  # the root metadata (complete flag) last
+            dfs.pipe_file(dp.rstrip("/") + f[len(sp.rstrip("/")) :], sfs.cat_file(f))
+    except OSError as e:
+        raise storage_error(
+            e, d_loc, "copying the store", "check the destination and run the copy again"
+        ) from None
+    if log is not None:
+        log(f"copied {s_loc} to {d_loc} ({len(files)} objects)")
+    return d_loc
+
+
 # ---------------------------------------------------------------------------------------- writer lock
 def _pid_alive(pid: int) -> bool:
     try:

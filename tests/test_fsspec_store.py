@@ -15,10 +15,22 @@ from helpers_clip import make_tiny_clip, run_cli, store_snapshot, write_cifar10
 
 import fedfeat
 from fedfeat.errors import FedfeatError
-from fedfeat.store import FeatureStore, StoreLock, is_store, store_location
+from fedfeat.store import FeatureStore, StoreLock, copy_store, is_store, store_location
 from fedfeat.synth import SynthParams, write_synthetic_store
 
 MEM = fsspec.filesystem("memory")
+SMALL = [
+    "--classes",
+    "3",
+    "--dim",
+    "8",
+    "--train-per-class",
+    "20",
+    "--test-per-class",
+    "5",
+    "--templates",
+    "2",
+]
 TRAIN = [
     "--method",
     "fedavg",
@@ -50,12 +62,6 @@ def local_store(tmp_path_factory):
     return p
 
 
-def copy_to(url: str, local) -> str:
-    fs, path = fsspec.core.url_to_fs(url)
-    fs.put(str(local), path, recursive=True)
-    return url
-
-
 def test_store_location_parses_paths_and_urls(tmp_path):
     assert store_location(f"file://{tmp_path}/a.zarr") == tmp_path / "a.zarr"
     assert store_location("memory://x/a.zarr/") == "memory://x/a.zarr"
@@ -79,7 +85,15 @@ def test_unknown_protocol_is_one_line():
 
 
 def test_memory_store_info_partition_train(mem, local_store, tmp_path):
-    url = copy_to(f"{mem}/s.zarr", local_store)
+    url = f"{mem}/s.zarr"
+    r = run_cli(["synth", "--out", url, *SMALL, "--no-stats"])  # written locally, then copied under memory://
+    assert r.exit_code == 0 and r.output.strip().endswith(f"store: {url}"), r.output
+    assert (
+        FeatureStore.open(url).attrs["fingerprint_hash"]
+        == FeatureStore.open(local_store).attrs["fingerprint_hash"]
+    )
+    r = run_cli(["synth", "--out", url, *SMALL, "--no-stats"])
+    assert r.exit_code == 0 and "nothing to do" in r.output, r.output
     assert is_store(url) and not is_store(f"{mem}/none.zarr")
     r = run_cli(["info", url])
     assert r.exit_code == 0, r.output
@@ -182,3 +196,20 @@ def test_encode_to_memory_equals_local_and_resumes(mem, tmp_path):
     assert store_snapshot(mem_copy) == store_snapshot(local)
     r = run_cli([*args, "--out", f"{mem}/cache"])  # complete and matching: nothing to do
     assert r.exit_code == 0 and "nothing to do" in r.output
+
+
+def test_copy_store_round_trip(mem, local_store, tmp_path):
+    url = copy_store(local_store, f"{mem}/c.zarr")
+    with pytest.raises(FedfeatError, match="already exists; pass --force"):
+        copy_store(local_store, url)
+    back = copy_store(url, tmp_path / "back.zarr")
+    assert store_snapshot(back) == store_snapshot(local_store)
+    MEM.rm(f"{url.split('://')[1]}/zarr.json")  # a copy cut short: no root metadata, so not a store
+    assert not is_store(url)
+    copy_store(local_store, url, overwrite=True)
+    assert FeatureStore.open(url).complete
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "keep.txt").write_text("x")
+    with pytest.raises(FedfeatError, match="not a fedfeat store"):  # never deletes what is not a store
+        copy_store(url, tmp_path / "other", overwrite=True)
+    assert (tmp_path / "other" / "keep.txt").exists()
