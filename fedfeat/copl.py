@@ -282,9 +282,8 @@ class CoPL:
         return copl_select(probs, segments, budget)
 
 
-# Not registered in ``pseudolabel.PSEUDO_LABELLERS`` from here: mutating that dict on import would make the
-# registry depend on import order (tests/test_pseudolabel.py expects "copl" to be unknown there). The owner of
-# pseudolabel.py can add the entry with a lazy import; until then use ``CoPL(...)`` directly.
+# Registered lazily in ``pseudolabel.LAZY_LABELLERS`` (``make_pseudo_labeller("copl", ...)``): this module imports
+# pseudolabel, so pseudolabel cannot import it at load time.
 
 __all__ = [
     "CONF_QUANTILE",

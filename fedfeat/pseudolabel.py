@@ -442,12 +442,20 @@ class CPL:
 
 
 PSEUDO_LABELLERS: dict[str, type] = {"fpl": FPL, "cpl": CPL}
+LAZY_LABELLERS = {"copl": ("fedfeat.copl", "CoPL")}  # imported on first use: fedfeat.copl imports this module
 
 
 def make_pseudo_labeller(name: str, **params) -> PseudoLabeller:
-    """``make_pseudo_labeller("cpl", conf_quantile=75, regular_threshold=0.95, k=16)``."""
+    """``make_pseudo_labeller("cpl", conf_quantile=75, regular_threshold=0.95, k=16)``; ``"copl"`` gives
+    ``fedfeat.copl.CoPL(**params)`` (FedCoPL's cooperative pseudo-labels)."""
+    if name in LAZY_LABELLERS and name not in PSEUDO_LABELLERS:
+        import importlib
+
+        mod, attr = LAZY_LABELLERS[name]
+        PSEUDO_LABELLERS[name] = getattr(importlib.import_module(mod), attr)
     if name not in PSEUDO_LABELLERS:
-        raise FedfeatError(f"unknown pseudo-labeller {name!r}; known: {', '.join(sorted(PSEUDO_LABELLERS))}")
+        known = sorted({*PSEUDO_LABELLERS, *LAZY_LABELLERS})
+        raise FedfeatError(f"unknown pseudo-labeller {name!r}; known: {', '.join(known)}")
     return PSEUDO_LABELLERS[name](**params)
 
 

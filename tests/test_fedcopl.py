@@ -50,12 +50,12 @@ def _data(store):
     return data
 
 
-@pytest.mark.parametrize("aggregate", ["visual", "both"])
-def test_batched_equals_loop_and_partial_aggregation(stores, aggregate):
+@pytest.mark.parametrize(("aggregate", "pseudo"), [("visual", "fpl"), ("both", "fpl"), ("visual", "copl")])
+def test_batched_equals_loop_and_partial_aggregation(stores, aggregate, pseudo):
     data = _data(stores["px"])
     runs = {}
     for engine in ("batched", "loop"):
-        m = get_method("fedcopl", FAST | {"aggregate": aggregate})
+        m = get_method("fedcopl", FAST | {"aggregate": aggregate, "pseudo": pseudo})
         g, rows = run_federated(m, data, rounds=2, participation=1.0, seed=0, engine=engine)
         runs[engine] = (g, rows, {k: v.clone() for k, v in m_state(m).items()})
     (gb, mb, sb), (gl, ml, sl) = runs["batched"], runs["loop"]
@@ -71,7 +71,9 @@ def test_batched_equals_loop_and_partial_aggregation(stores, aggregate):
         assert not torch.allclose(text[0], text[1])
     else:
         assert set(gb) == {"vpt", "text"} and not sb
-    assert mb[-1]["pseudo_label_acc"] is not None and 0 < mb[-1]["pseudo_samples"] <= 3 * 10 * 4
+    assert mb[-1]["pseudo_label_acc"] is not None and 0 < mb[-1]["pseudo_samples"] <= (
+        3 * 10 * 4 if pseudo == "fpl" else 120
+    )
 
 
 _STATE = {}
@@ -188,7 +190,7 @@ def synth_store(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("pseudo", ["fpl"])
+@pytest.mark.parametrize("pseudo", ["fpl", "copl"])
 def test_copl_linear_batched_equals_loop_and_fused_equals_torch(synth_store, pseudo):
     st = FeatureStore.open(synth_store)
     part = make_partition(st.labels("train"), "dirichlet", clients=10, alpha=0.5)
@@ -205,15 +207,22 @@ def test_copl_linear_batched_equals_loop_and_fused_equals_torch(synth_store, pse
         for k in gb:
             torch.testing.assert_close(gb[k], g[k], atol=1e-5, rtol=1e-5)
     assert [r.get("pseudo_label_acc") for r in mb] == [r.get("pseudo_label_acc") for r in ml]
+    from fedfeat.copl import CoPL
     from fedfeat.pseudolabel import fpl_select
 
     text = torch.nn.functional.normalize(data.text_all[0], dim=-1)
     probs = torch.softmax(
         data.clip_logit_scale * torch.nn.functional.normalize(data.train_x, dim=-1) @ text.T, -1
     )
-    rows, y = fpl_select(probs, data.offsets, k=5)  # round 1: the head is the text features, zero-shot CLIP
+    # round 1: the head is the text features, zero-shot CLIP
+    if pseudo == "fpl":
+        rows, y = fpl_select(probs, data.offsets, k=5)
+        assert mb[1]["pseudo_samples"] <= 10 * 10 * 5
+    else:
+        sel = CoPL(round_index=0)(probs, data.offsets)
+        rows, y = sel.rows, sel.candidates.float().argmax(1)
+        assert mb[1]["pseudo_samples"] == len(rows)
     assert mb[1]["pseudo_label_acc"] == pytest.approx(100 * float((y == data.train_y[rows]).double().mean()))
-    assert mb[1]["pseudo_samples"] <= 10 * 10 * 5
     # refreshed at round 3 from the trained head: another selection than round 1's
     assert (
         mb[3]["pseudo_label_acc"] != mb[1]["pseudo_label_acc"]

@@ -397,7 +397,7 @@ def test_cpu_blocks_give_the_one_batch_result_and_gradient(tower, monkeypatch):
     assert float(ga.abs().max()) > 0.1
 
 
-@pytest.mark.parametrize("pseudo", ["fpl", "cpl"])
+@pytest.mark.parametrize("pseudo", ["fpl", "cpl", "copl"])
 def test_unsupervised_promptfl_never_sees_labels_and_batched_equals_loop(store, live, pseudo):
     data = run_data(store, live)
     sets = FAST | {"pseudo": pseudo, "pseudo_k": "3", "conf_quantile": "50", "regular_threshold": "0.5"}
@@ -409,25 +409,33 @@ def test_unsupervised_promptfl_never_sees_labels_and_batched_equals_loop(store, 
     torch.testing.assert_close(gb["ctx"], gl["ctx"], atol=1e-5, rtol=1e-5)
     last = mb[-1]
     assert 0 <= last["pseudo_label_acc"] <= 100 and last["pseudo_label_acc"] == ml[-1]["pseudo_label_acc"]
-    # at most pseudo_k rows per (client, class): 4 clients x 10 classes x 3
-    assert 0 < last["pseudo_samples"] <= 4 * 10 * 3
+    # at most pseudo_k rows per (client, class): 4 clients x 10 classes x 3 (CoPL: its own budget)
+    assert 0 < last["pseudo_samples"] <= (4 * 10 * 3 if pseudo != "copl" else data.offsets[-1])
     if pseudo == "cpl":
         assert last["pseudo_set_size"] >= 1
 
 
-def test_unsupervised_promptfl_trains_on_exactly_the_fpl_rows(store, live):
-    """The clients' training rows after setup are FPL's selection of the zero-shot probabilities."""
+@pytest.mark.parametrize("pseudo", ["fpl", "copl"])
+def test_unsupervised_promptfl_trains_on_exactly_the_selected_rows(store, live, pseudo):
+    """The clients' training rows after setup are FPL's (CoPL's) selection of the zero-shot probabilities."""
     from fedfeat import pseudolabel as pl
+    from fedfeat.copl import CoPL
     from fedfeat.engine import build_context
 
     data = run_data(store, live)
-    m = get_method("promptfl", FAST | {"pseudo": "fpl", "pseudo_k": "2"})
+    m = get_method("promptfl", FAST | {"pseudo": pseudo, "pseudo_k": "2"})
     ctx = build_context(data, m, 0, torch.device("cpu"))
     assert ctx.labels is None
     feats0, seg0 = ctx.feats.clone(), ctx.offsets.clone()
     m.setup(ctx)
     probs = torch.softmax(ctx.clip_logit_scale * feats0 @ ctx.text.T, -1)
-    rows, y = pl.fpl_select(probs, seg0, k=2)
+    if pseudo == "fpl":
+        rows, y = pl.fpl_select(probs, seg0, k=2)
+        assert torch.all(ctx.offsets.diff() <= 2 * 10)
+    else:  # one-hot labels from CoPL's per-client top-K_{k,c}
+        sel = CoPL(round_index=0)(probs, seg0)
+        rows, y = sel.rows, sel.candidates.float().argmax(1)
+        assert torch.equal(sel.candidates.sum(1), torch.ones(len(rows), dtype=sel.candidates.dtype))
     assert torch.equal(ctx.state["pseudo_rows"], rows) and torch.equal(ctx.state["pseudo_labels"], y)
     assert torch.equal(ctx.feats, feats0[rows])
-    assert int(ctx.offsets[-1]) == len(rows) and torch.all(ctx.offsets.diff() <= 2 * 10)
+    assert int(ctx.offsets[-1]) == len(rows) > 0

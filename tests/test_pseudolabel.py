@@ -215,8 +215,12 @@ def test_labellers_share_one_interface():
     assert pl.cpl_preset("FGVCAircraft") == (90.0, 0.97) and pl.cpl_preset("RESICS45") == (90.0, 0.97)
     assert pl.cpl_preset("EuroSAT") == (75.0, 0.80) and pl.cpl_preset("oxford_flowers") == (60.0, 0.99)
     assert pl.cpl_preset("cifar10") == pl.CPL_GENERAL == (60.0, 0.90)
-    with pytest.raises(FedfeatError, match="unknown pseudo-labeller 'copl'; known: cpl, fpl"):
-        pl.make_pseudo_labeller("copl")
+    with pytest.raises(FedfeatError, match="unknown pseudo-labeller 'xpl'; known: copl, cpl, fpl"):
+        pl.make_pseudo_labeller("xpl")
+    from fedfeat.copl import CoPL
+
+    copl = pl.make_pseudo_labeller("copl", round_index=0)  # the third labeller, same interface
+    assert isinstance(copl, CoPL) and copl(P, SEG).offsets.shape == (3,)
 
 
 def test_cc_loss_by_hand():

@@ -84,12 +84,8 @@ def select(ctx: Context, probs: torch.Tensor, seg: torch.Tensor, p, refresh_inde
     selected layout's offsets and the hard labels."""
     from fedfeat import pseudolabel as pl
 
-    if p.pseudo == "copl":
-        from fedfeat import copl
-
-        sel = copl.CoPL(round_index=refresh_index)(probs, seg)
-    else:
-        sel = pl.make_pseudo_labeller("fpl", k=p.pseudo_k)(probs, seg)
+    params = {"round_index": refresh_index} if p.pseudo == "copl" else {"k": p.pseudo_k}
+    sel = pl.make_pseudo_labeller(p.pseudo, **params)(probs, seg)
     ctx.state["sel_orig"] = sel.rows.to(ctx.device)
     ctx.state["sel_offsets"] = sel.offsets.cpu()
     ctx.state["pl_labels"] = sel.candidates.float().argmax(1).to(ctx.device)

@@ -121,11 +121,8 @@ def pseudo_label(ctx: Context, how: str, p) -> None:
     if how == "cpl":
         params |= {"conf_quantile": p.conf_quantile, "regular_threshold": p.regular_threshold}
     if how == "copl":  # FedCoPL's cooperative pseudo-labels (fedfeat.copl), once from zero-shot CLIP
-        from fedfeat import copl
-
-        sel = copl.CoPL(round_index=0)(probs, ctx.offsets)
-    else:
-        sel = pl.make_pseudo_labeller(how, **params)(probs, ctx.offsets)  # a fedfeat.pseudolabel.Selection
+        params = {"round_index": 0}
+    sel = pl.make_pseudo_labeller(how, **params)(probs, ctx.offsets)  # a fedfeat.pseudolabel.Selection
     rows = sel.rows
     if how in ("fpl", "copl"):
         ctx.state["pseudo_labels"] = sel.candidates.float().argmax(1)
