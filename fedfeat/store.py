@@ -232,6 +232,16 @@ def store_exists(path: str | Path) -> bool:
         return bool(fs.exists(p))
     except OSError as e:
         raise storage_error(e, loc, "looking for the store", "check the URL and your credentials") from None
+    except Exception as e:  # a filesystem's own errors (missing credentials, bad endpoint): one line
+        raise _url_error(loc, e) from None
+
+
+def _url_error(url: str, e: Exception) -> FedfeatError:
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    return FedfeatError(
+        f"cannot read {url} ({type(e).__name__}: {first}); check the URL, the network and your credentials "
+        "(the filesystem's usual configuration, e.g. AWS_* variables for s3://, or FSSPEC_<PROTOCOL>_<OPTION>)"
+    )
 
 
 def group_meta(path: str | Path) -> dict | None:
@@ -245,7 +255,12 @@ def group_meta(path: str | Path) -> dict | None:
             raw = meta.read_bytes()
         else:
             fs, p = url_filesystem(loc)
-            raw = fs.cat_file(f"{p}/zarr.json")
+            try:
+                raw = fs.cat_file(f"{p}/zarr.json")
+            except (OSError, ValueError):
+                raise
+            except Exception as e:  # a filesystem's own errors (missing credentials, bad endpoint): one line
+                raise _url_error(loc, e) from None
         doc = json.loads(raw)
     except (OSError, ValueError):
         return None

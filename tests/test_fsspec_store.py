@@ -213,3 +213,18 @@ def test_copy_store_round_trip(mem, local_store, tmp_path):
     with pytest.raises(FedfeatError, match="not a fedfeat store"):  # never deletes what is not a store
         copy_store(url, tmp_path / "other", overwrite=True)
     assert (tmp_path / "other" / "keep.txt").exists()
+
+
+def test_filesystem_errors_are_one_line():
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class NoCredentials(MemoryFileSystem):
+        protocol = "fedfeat-nocreds"
+
+        def exists(self, path, **kw):
+            raise RuntimeError("Unable to locate credentials\nmore detail")
+
+    fsspec.register_implementation("fedfeat-nocreds", NoCredentials, clobber=True)
+    r = run_cli(["info", "fedfeat-nocreds://bucket/s.zarr"])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1
+    assert "Unable to locate credentials" in r.output and "credentials" in r.output.split(";")[-1]
