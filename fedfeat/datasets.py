@@ -13,6 +13,8 @@ Formats (``open_dataset(name, root)``):
                 ``relative/path label`` lines, images resolved against ``root``, plus ``classnames.txt``
                 (or ``class_names.txt``): one class name per line in label order; a leading label number or
                 WordNet id (``n01440764 tench``) on every line is dropped
+``hf:NAME``     a Hugging Face ``datasets`` dataset saved with ``save_to_disk`` or in the local cache, and
+``wds:PATTERN`` webdataset tar shards: ``fedfeat.datasets_hf`` (the optional extra ``fedfeat[hf]``)
 ==============  ==============================================================================================
 
 Class names have ``_`` replaced by a space. CIFAR pickles are read by a restricted unpickler that only admits

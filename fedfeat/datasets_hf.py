@@ -50,6 +50,7 @@ from fedfeat.datasets import (
     UnreadableImage,
     _size,
     _split_key,
+    clean_class_name,
     hash_cache_dir,
     read_class_names,
 )
@@ -238,7 +239,7 @@ class HFDataset(ImageDataset):
                 "give them with --classnames FILE (one per line, in label order)"
             )
         else:
-            self.class_names = [n.replace("_", " ").strip() for n in label_names]
+            self.class_names = [clean_class_name(n) for n in label_names]
 
         import pyarrow.compute as pc
 
@@ -571,7 +572,8 @@ class WebDataset(ImageDataset):
         missing = [x for x in expanded if not x.is_file()]
         if missing:
             raise FedfeatError(
-                f"wds: shard {missing[0]} not found ({len(missing)} of {len(expanded)} missing); expected {self.layout}"
+                f"wds: shard {missing[0]} not found ({len(missing)} of {len(expanded)} missing); check the "
+                "pattern (quote it, 'wds:dir/{0..9}.tar', so that the shell leaves the braces to fedfeat)"
             )
         if len({x.resolve() for x in expanded}) != len(expanded):
             raise FedfeatError(f"wds: the pattern {spec} names a shard twice; list each shard once")

@@ -218,7 +218,8 @@ def test_changed_shard_reencodes_only_its_rows(folder, tmp_path):
 
 def write_hf_cache(folder, cache: Path) -> None:
     """``tiny/pets`` as the local ``datasets`` cache holds a Hub dataset (``tiny___pets/default/0.0.0/<hash>/``:
-    ``pets-<split>.arrow`` + ``dataset_info.json``): train, validation, and an unlabelled test (labels -1)."""
+    ``pets-<split>.arrow`` + ``dataset_info.json``): train, validation (images as file paths, as a cached
+    ``imagefolder`` keeps them), and an unlabelled test (labels -1)."""
     import pyarrow as pa
 
     feats = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=list(CLASSES))})
@@ -228,6 +229,8 @@ def write_hf_cache(folder, cache: Path) -> None:
     for split, src in (("train", "train"), ("validation", "test"), ("test", "test")):
         y = folder.labels[src].tolist() if split != "test" else [-1] * len(folder.paths[src])
         images = [{"bytes": p.read_bytes(), "path": None} for p in folder.paths[src]]
+        if split == "validation":
+            images = [{"bytes": None, "path": str(p)} for p in folder.paths[src]]
         table = datasets.Dataset.from_dict({"image": images, "label": y}, features=feats).data.table
         with pa.OSFile(str(d / f"pets-{split}.arrow"), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
             w.write_table(table)
@@ -254,7 +257,10 @@ def test_hf_local_cache_is_read_offline(folder, tmp_path, monkeypatch):
     assert ds.split_sources == {"train": "train", "test": "validation"} and ds.dropped_splits == ["test"]
     np.testing.assert_array_equal(ds.labels("test"), folder.labels["test"])
     assert np.array_equal(np.asarray(ds.load_image("test", 3)), np.asarray(folder_image(folder, "test", 3)))
-    assert [n for n, _ in ds.files()] == ["pets-train.arrow", "pets-validation.arrow"]
+    ext = [str(p.resolve()) for p in folder.paths["test"]]  # image files named by path: fingerprinted too
+    assert [n for n, _ in ds.files()] == sorted(["pets-train.arrow", "pets-validation.arrow", *ext])
+    rows, other = ds.rows_of_files({ext[3]})
+    assert other == set() and list(rows) == ["test"] and rows["test"].tolist() == [3]
     from fedfeat.datasets_hf import default_store_name
 
     assert default_store_name("hf:tiny/pets:default", tmp_path) == "pets-default"
