@@ -284,8 +284,10 @@ class HFDataset(ImageDataset):
                 self._external[split] = [(int(i), paths[i]) for i in np.flatnonzero(no_bytes)]
             self.split_sources[split] = src
             self._parts[split] = d
-            self._images[split] = d.select_columns([self.image_column]).cast_column(
-                self.image_column, dsm.Image(decode=False)
+            self._images[split] = (  # python rows whatever format the dataset was saved with
+                d.select_columns([self.image_column])
+                .cast_column(self.image_column, dsm.Image(decode=False))
+                .with_format(None)
             )
             self._labels[split] = labelled[src]
         if not self._labels:
