@@ -252,11 +252,11 @@ def register(app: typer.Typer) -> None:
         overwrite: bool = typer.Option(False, "--overwrite", help="Redo finished runs (default: skip them)."),
         fmt: str = typer.Option("markdown", "--format", help="The closing table: markdown, csv or json."),
         quiet: bool = typer.Option(False, "--quiet", help="No per-run lines."),
-        stack: str = typer.Option(
-            "auto",
-            help="always: make runs of fedavg / fedprox / fst-cbdg that read the same data as one batched torch "
-            "program along a run axis (seeds and hyperparameters may differ; equal to one-by-one torch runs); auto: "
-            "only where a run alone would not use a fused CPU kernel (GPU, --kernel torch); never: one by one.",
+        stack: bool = typer.Option(
+            True,
+            "--stack/--no-stack",
+            help="Make runs of fedavg / fedprox / fst-cbdg that read the same data as one batched program along a "
+            "run axis (seeds and hyperparameters may differ; each run equals the same run made alone).",
         ),
     ) -> None:
         """Run a grid of runs in one process (stores, partitions and features loaded once; runs that read the same

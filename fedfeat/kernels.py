@@ -576,22 +576,6 @@ def _linear_client(
         loss_out[s, j] = lsum * inv + 0.5 * mu * prox
 
 
-@nb.njit(parallel=True, fastmath=_FM, cache=True)
-def _linear_epoch(
-    feats, labels, starts, sizes, B, key, W, b, mW, mb, Wg, bg, hp, mode, loss_out, init, one_epoch, workers
-):
-    nxt = np.zeros(1, np.int64)  # the next client to take: threads take clients as they finish
-    for _th in nb.prange(workers):
-        scr = _scratch(W, 1)
-        j = _next(nxt)
-        while j < sizes.shape[0]:
-            _linear_client(
-                j, feats, labels, starts, sizes, B, key, W, b, mW, mb, Wg, bg, hp, mode, loss_out, init, one_epoch,
-                scr,
-            )  # fmt: skip
-            j = _next(nxt)
-
-
 @nb.njit(fastmath=_FM)
 def _soft_grads(Z, G, lse, q, prow, i0, n, beta, st, coef):
     """FST-CBDG's real samples: ``f = softmax(z)``; the soft label is updated first, ``q <- beta q +
@@ -741,20 +725,72 @@ def _fst_client(
 
 
 @nb.njit(parallel=True, fastmath=_FM, cache=True)
-def _fst_epoch(
-    feats, starts, sizes, B, key, q, W, b, mW, mb, Wg, bg, text, n_k, cids, key_order, key_sign, bank, hp, loss_out,
-    init, one_epoch, workers,
+def _linear_epoch(
+    feats, labels, starts, sizes, B, keys, runs, W, b, mW, mb, Wgs, bgs, hps, mode, loss_out, init, one_epoch,
+    workers,
 ):  # fmt: skip
-    nxt = np.zeros(1, np.int64)  # as _linear_epoch
+    """Client ``j`` (threads take clients as they finish) of run ``runs[j]`` with its shuffle key ``keys[j]`` and
+    that run's global head and hyperparameters: one run (``runs`` all 0) or the virtual clients of stacked runs
+    (``fedfeat.stack``), the same compiled code either way."""
+    nxt = np.zeros(1, np.int64)
     for _th in nb.prange(workers):
-        scr = _scratch(W, bank.shape[1])
+        scr = _scratch(W, 1)
         j = _next(nxt)
         while j < sizes.shape[0]:
-            _fst_client(
-                j, feats, starts, sizes, B, key, q, W, b, mW, mb, Wg, bg, text, n_k, cids, key_order, key_sign,
-                bank, hp, loss_out, init, one_epoch, scr,
+            r = runs[j]
+            _linear_client(
+                j, feats, labels, starts, sizes, B, keys[j], W, b, mW, mb, Wgs[r], bgs[r], hps[r], mode, loss_out,
+                init, one_epoch, scr,
             )  # fmt: skip
             j = _next(nxt)
+
+
+@nb.njit(parallel=True, fastmath=_FM, cache=True)
+def _fst_epoch(
+    feats, starts, sizes, B, keys, runs, qs, W, b, mW, mb, Wgs, bgs, text, n_k, cids, key_orders, key_signs, banks,
+    bank_of, hps, loss_out, init, one_epoch, workers,
+):  # fmt: skip
+    """As ``_linear_epoch``, with run ``r = runs[j]``'s soft labels ``qs[r]``, synthetic keys, noise bank
+    ``banks[bank_of[r]]`` and hyperparameters."""
+    nxt = np.zeros(1, np.int64)
+    for _th in nb.prange(workers):
+        scr = _scratch(W, banks.shape[2])
+        j = _next(nxt)
+        while j < sizes.shape[0]:
+            r = runs[j]
+            _fst_client(
+                j, feats, starts, sizes, B, keys[j], qs[r], W, b, mW, mb, Wgs[r], bgs[r], text, n_k, cids,
+                key_orders[r], key_signs[r], banks[bank_of[r]], hps[r], loss_out, init, one_epoch, scr,
+            )  # fmt: skip
+            j = _next(nxt)
+
+
+def stacked_epoch(kind: str, threads: int, **kw) -> None:
+    """One local epoch of stacked runs' virtual clients (``fedfeat.stack``): ``kind`` ``linear`` or ``fst``, the
+    per-run arrays (``hps [R, H]``, ``Wgs [R, K, D]``, ``bgs``, fst: ``qs [R, N, K]``, ``key_orders``,
+    ``key_signs [R]`` uint64, ``banks [U, S, P, D]``, ``bank_of [R]``) indexed by ``runs [V]``; per virtual
+    client ``starts``, ``sizes``, ``keys`` (uint64) and, fst, ``n_k [V, K]``, ``cids [V]``."""
+    W = kw["W"]
+    floats = [kw[k] for k in ("feats", "b", "mW", "mb", "Wgs", "bgs", "hps")]
+    if kind == "fst":
+        floats += [kw[k] for k in ("qs", "text", "banks")]
+    for a in (W, *floats):
+        if a.dtype != W.dtype or not a.flags.c_contiguous:
+            raise TypeError(f"stacked_epoch: arrays must be C-contiguous {W.dtype}")
+    workers = max(1, min(threads, nb.config.NUMBA_NUM_THREADS))
+    nb.set_num_threads(workers)
+    if kind == "linear":
+        _linear_epoch(
+            kw["feats"], kw["labels"], kw["starts"], kw["sizes"], kw["B"], kw["keys"], kw["runs"], W, kw["b"],
+            kw["mW"], kw["mb"], kw["Wgs"], kw["bgs"], kw["hps"], kw["mode"], kw["loss_out"], kw["init"],
+            kw["one_epoch"], workers,
+        )  # fmt: skip
+    else:
+        _fst_epoch(
+            kw["feats"], kw["starts"], kw["sizes"], kw["B"], kw["keys"], kw["runs"], kw["qs"], W, kw["b"], kw["mW"],
+            kw["mb"], kw["Wgs"], kw["bgs"], kw["text"], kw["n_k"], kw["cids"], kw["key_orders"], kw["key_signs"],
+            kw["banks"], kw["bank_of"], kw["hps"], kw["loss_out"], kw["init"], kw["one_epoch"], workers,
+        )  # fmt: skip
 
 
 @nb.njit(cache=True)
@@ -813,9 +849,10 @@ def linear_epoch(
         "linear_epoch", W, (feats, b, mW, mb, Wg, bg),
         [lr, momentum, weight_decay, logit_scale, mu, tau, beta, 0.0], threads,
     )  # fmt: skip
+    m = sizes.shape[0]
     _linear_epoch(
-        feats, labels, starts, sizes, B, np.uint64(key), W, b, mW, mb, Wg, bg, hp, mode, loss_out, bool(init),
-        bool(one_epoch), workers,
+        feats, labels, starts, sizes, B, np.full(m, key, np.uint64), np.zeros(m, np.int64), W, b, mW, mb, Wg[None],
+        bg[None], hp[None], mode, loss_out, bool(init), bool(one_epoch), workers,
     )  # fmt: skip
 
 
@@ -842,7 +879,10 @@ def fst_epoch(
          float(syn_sum), float(syn_every_step)],
         threads,
     )  # fmt: skip
+    m = sizes.shape[0]
+    one = np.zeros(1, np.int64)
     _fst_epoch(
-        feats, starts, sizes, B, np.uint64(key), q, W, b, mW, mb, Wg, bg, text, n_k, cids, np.uint64(key_order),
-        np.uint64(key_sign), bank, hp, loss_out, bool(init), bool(one_epoch), workers,
+        feats, starts, sizes, B, np.full(m, key, np.uint64), np.zeros(m, np.int64), q[None], W, b, mW, mb, Wg[None],
+        bg[None], text, n_k, cids, np.full(1, key_order, np.uint64), np.full(1, key_sign, np.uint64), bank[None],
+        one, hp[None], loss_out, bool(init), bool(one_epoch), workers,
     )  # fmt: skip

@@ -506,8 +506,6 @@ def train(
         return _train_sharded(cfg, method, resume, overwrite, checkpoint_every, save_partition, progress, log)
     device = _device if _device is not None else resolve_device(cfg.device)
     kernel = resolve_kernel(cfg.kernel, method, cfg.engine, device)  # before anything is written
-    if _stacked is not None:  # made by fedfeat.stack's program (train_stacked): the torch program
-        kernel = "torch"
     store = open_store(cfg)
     key, part, stored = run_partition(store, cfg, save_partition)
     name = cfg.name or default_run_name(cfg, method_params, method_defaults, store.attrs, key)
@@ -699,7 +697,9 @@ def _train_locked(
         )
         summary = _summary(cfg, method, method_params, kernel, device, key, rd.name, metrics, wall, store)
         summary["checkpoint_seconds"] = ck_seconds[0]
-        run_files = getattr(method, "run_files", None)  # a method's own outputs (zeroshot: CLIP_benchmark's JSON)
+        run_files = getattr(
+            method, "run_files", None
+        )  # a method's own outputs (zeroshot: CLIP_benchmark's JSON)
         if run_files is not None:
             summary.update(run_files(rd.partial, data=data, glob=glob, store=store) or {})
         if stacked is not None:
@@ -724,28 +724,23 @@ def _train_locked(
     return rd.final
 
 
-def stack_group(cfg: RunConfig, mode: str = "always") -> tuple | None:
+def stack_group(cfg: RunConfig) -> tuple | None:
     """Runs with equal groups can be made as one stacked program (``fedfeat.stack``): one stackable method, the
-    same store, partition, data geometry and output; seed, participation and hyperparameters may differ. None:
-    this run is made on its own (another method, the loop engine, ``--kernel fused``, torchrun, a resume).
-    ``mode="auto"``: only where the run alone would use the torch program (a GPU, ``--kernel torch``): on a CPU
-    the fused kernel of one run is faster than its share of a stacked torch program (BENCHMARKS.md)."""
+    same store, partition, data geometry, kernel and output; seed, participation and hyperparameters may differ.
+    None: this run is made on its own (another method, the loop engine, local test splits, torchrun)."""
     from fedfeat.methods import get_method
     from fedfeat.stack import stack_key
 
-    if mode not in ("auto", "always", "never"):
-        raise FedfeatError(f"unknown stack mode {mode!r}; choose auto, always or never")
-    if mode == "never" or cfg.engine != "batched" or cfg.kernel == "fused" or cfg.local_test not in (None, "none"):
+    if cfg.engine != "batched" or cfg.local_test not in (None, "none"):
         return None
     method = get_method(cfg.method, cfg.params)
-    if mode == "auto" and resolve_kernel(cfg.kernel, method, cfg.engine, resolve_device(cfg.device)) == "fused":
-        return None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun shards one run's clients instead
         return None
     if cfg.preset is not None or cfg.partition == "disjoint-classes":  # open vocabulary: one by one
         return None
     extra = (str(cfg.store), cfg.partition, cfg.clients, cfg.alpha, cfg.shards, cfg.imbalance_factor, cfg.shots,
-             cfg.partition_seed, cfg.rounds, cfg.device, cfg.eval_every, cfg.shot_thresholds, str(cfg.out))  # fmt: skip
+             cfg.partition_seed, cfg.rounds, cfg.device, cfg.kernel, cfg.eval_every, cfg.shot_thresholds,
+             str(cfg.out))  # fmt: skip
     return stack_key(method, extra)
 
 
@@ -766,7 +761,8 @@ def train_stacked(cfgs: list[RunConfig], *, overwrite: bool = False, log=print) 
     methods = [get_method(c.method, c.params) for c in cfgs]
     t0 = time.perf_counter()
     res = run_stacked(methods, data, rounds=cfg0.rounds, participation=[c.participation for c in cfgs],
-                      seeds=[c.seed for c in cfgs], device=device, eval_every=cfg0.eval_every)  # fmt: skip
+                      seeds=[c.seed for c in cfgs], device=device, eval_every=cfg0.eval_every,
+                      kernel=cfg0.kernel)  # fmt: skip
     share = (time.perf_counter() - t0) / len(cfgs)
     out = []
     for c, r in zip(cfgs, res):

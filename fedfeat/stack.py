@@ -26,6 +26,7 @@ import math
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -37,6 +38,7 @@ from fedfeat.engine import (
     make_plan,
     masked_mean,
     param_bytes,
+    resolve_kernel,
 )
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.linear import batched_linear
@@ -94,10 +96,12 @@ def run_stacked(
     device: torch.device | str = "cpu",
     eval_every: int = 1,
     on_round: Callable[[int, dict], None] | None = None,
+    kernel: str = "auto",
 ) -> list[tuple[dict, list[dict]] | FedfeatError]:
     """Make ``len(methods)`` runs (``methods[r]`` with ``seeds[r]``) as one program; returns per run ``(final
     weights, metric rows)`` as ``engine.run_federated`` would, or the ``FedfeatError`` that stopped that run (a
-    run whose weights became non-finite; the others go on). ``on_round(r, row)`` sees each run's rows."""
+    run whose weights became non-finite; the others go on). ``on_round(r, row)`` sees each run's rows.
+    ``kernel``: ``auto`` (the fused CPU kernels on a CPU, else torch), ``fused`` or ``torch``, as ``train``."""
     R = len(methods)
     if R == 0:
         return []
@@ -113,6 +117,20 @@ def run_stacked(
     if eval_every < 1:
         raise FedfeatError(f"--eval-every must be >= 1, got {eval_every}")
     device = torch.device(device)
+    kernel = resolve_kernel(kernel, methods[0], "batched", device)
+    threads = torch.get_num_threads()
+    if (
+        kernel == "fused"
+    ):  # as engine.run_federated: the kernel owns the cores, torch's few ops run on one thread
+        torch.set_num_threads(1)
+    try:
+        return _stacked(methods, data, rounds, parts, seeds, device, eval_every, on_round, kernel, threads)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _stacked(methods, data, rounds, parts, seeds, device, eval_every, on_round, kernel, threads):
+    R = len(methods)
     name = methods[0].name
     fst = name == "fst-cbdg"
     p0 = methods[0].p
@@ -164,7 +182,27 @@ def run_stacked(
             m, c = methods[r], ctxs[r]
             m.round_begin(c, rnd, globs[r])
             plans[r] = make_plan(c, rnd, m.sample(c, rnd, parts[r]), p0.batch_size, p0.local_epochs)
-        cparams, loss_sum, loss_n = _local(methods, ctxs, live, plans, globs, hp, syn_sum, fst, Qflat if fst else None, N, D, K, rnd, device)  # fmt: skip
+        if kernel == "fused":
+            cparams, loss_sum, loss_n = _local_fused(
+                methods, ctxs, live, plans, globs, rnd, threads, fst, Q if fst else None
+            )
+        else:
+            cparams, loss_sum, loss_n = _local(
+                methods,
+                ctxs,
+                live,
+                plans,
+                globs,
+                hp,
+                syn_sum,
+                fst,
+                Qflat if fst else None,
+                N,
+                D,
+                K,
+                rnd,
+                device,
+            )
         for r in live:
             new = methods[r].aggregate(ctxs[r], plans[r], globs[r], cparams[r])
             globs[r] = methods[r].server_update(ctxs[r], plans[r], globs[r], new)
@@ -183,7 +221,21 @@ def run_stacked(
                 "bytes_down": plans[r].m * param_bytes(methods[r].broadcast(ctxs[r], globs[r])),
                 "train_seconds": train_seconds,
             }
-        _record(methods, ctxs, data, globs, rows, on_round, rnd, list(extra), extra, eval_every, rounds, test_y, t0)  # fmt: skip
+        _record(
+            methods,
+            ctxs,
+            data,
+            globs,
+            rows,
+            on_round,
+            rnd,
+            list(extra),
+            extra,
+            eval_every,
+            rounds,
+            test_y,
+            t0,
+        )
     for r in range(R):
         if results[r] is None:
             results[r] = (methods[r].final_weights(ctxs[r], globs[r]), rows[r])
@@ -230,7 +282,7 @@ def _record(
             evs = [
                 {
                     "acc": float(correct[i].mean()) * 100,
-                    "per_class_acc": (100 * per[i] / cnt).tolist(),
+                    "per_class_acc": [100 * v for v in (per[i] / cnt).tolist()],
                     "pred": pred[i],
                 }
                 for i in range(len(runs))
@@ -298,7 +350,26 @@ def _local(methods, ctxs, live, plans, globs, hp, syn_sum, fst, Qflat, N, D, K, 
             p = {k: v[:n].detach().requires_grad_(True) for k, v in params.items()}
             z = scale[:n].view(n, 1, 1) * batched_linear(x, p["W"], p["b"])  # [n, B, K]
             if fst:
-                loss = _fst_loss(methods, ctxs, live, z, p, x, ib, mb, vruns[:n], rr, syn, hp, syn_sum, Qflat, N, s, epoch, rnd)  # fmt: skip
+                loss = _fst_loss(
+                    methods,
+                    ctxs,
+                    live,
+                    z,
+                    p,
+                    x,
+                    ib,
+                    mb,
+                    vruns[:n],
+                    rr,
+                    syn,
+                    hp,
+                    syn_sum,
+                    Qflat,
+                    N,
+                    s,
+                    epoch,
+                    rnd,
+                )
             else:
                 y = ctxs[0].labels[ib]
                 loss = masked_mean(F.cross_entropy(z.transpose(1, 2), y, reduction="none"), mb)
@@ -317,6 +388,115 @@ def _local(methods, ctxs, live, plans, globs, hp, syn_sum, fst, Qflat, N, D, K, 
         out[r] = {k: v[w.to(dev)] for k, v in params.items()}
         lsum[r] = float(loss_acc[w].sum())
         lcount[r] = int(steps_acc[w].sum())
+        methods[r].local_end(ctxs[r], plans[r], locs[r], out[r])
+    return out, lsum, lcount
+
+
+@torch.no_grad()
+def _local_fused(methods, ctxs, live, plans, globs, rnd, threads, fst, Q):
+    """``_local`` in the methods' compiled CPU kernels (``kernels.stacked_epoch``): every virtual client runs the
+    very code of its run's own fused kernel, so a stacked run equals its one-by-one fused run bit for bit."""
+    from fedfeat import kernels, rng
+    from fedfeat.engine import round_buffer, shuffle_key
+    from fedfeat.methods.fst_cbdg import _pool, bank_rows
+
+    R = len(methods)
+    rr = _virtual([plans[r] for r in live])
+    vrun = np.asarray(live, np.int64)[rr.vrun.numpy()]  # the run of each virtual client
+    V = len(vrun)
+    ctx0 = ctxs[live[0]]
+    B, E = methods[live[0]].p.batch_size, methods[live[0]].p.local_epochs
+    K, D = ctx0.K, ctx0.D
+    slots = list(zip(rr.vrun.tolist(), rr.vslot.tolist()))
+    clients = np.array([int(plans[live[v]].clients[j]) for v, j in slots], np.int64)
+    sizes = np.array([int(plans[live[v]].sizes[j]) for v, j in slots], np.int64)
+    starts = ctx0.offsets.numpy()[clients] if V else clients
+    Wgs = torch.stack([g["W"] for g in globs]).contiguous().numpy()  # every run's (a stopped one is not used)
+    bgs = torch.stack([g["b"] for g in globs]).contiguous().numpy()
+    W = np.empty((V, K, D), Wgs.dtype)
+    b = np.empty((V, K), Wgs.dtype)
+    mW, mb = np.empty_like(W), np.empty_like(b)
+    opts = [m.make_optimizer(rnd) for m in methods]
+    steps = rr.steps.numpy()
+    S = int(steps.max()) if V else 0
+    lsum, lcount = {}, {}
+    locs = {r: methods[r].local_begin(ctxs[r], plans[r], globs[r]) for r in live}
+    seeds = [c.seed for c in ctxs]
+    if fst:
+        n_k = np.zeros((V, K), np.int64)
+        for j, r in enumerate(live):
+            n_k[rr.where[j].numpy()] = locs[r]["n_k"].numpy()
+        J = n_k.sum(1)
+        every = np.array([m.p.synthetic_draw == "iteration" for m in methods])[vrun]
+        per = np.where(every, J, (J + steps - 1) // np.maximum(steps, 1))
+        P = int(per.max()) if V else 0
+        hps = np.array(
+            [[o.lr, o.momentum, o.weight_decay, m.p.logit_scale, m.p.beta, m.p.lam, m.p.sigma / math.sqrt(D),
+              float(m.p.self_training), float(m.p.renormalize_synthetic), 0.0, float(m.p.synthetic_loss == "sum"),
+              float(m.p.synthetic_draw == "iteration")] for m, o in zip(methods, opts)],
+            Wgs.dtype,
+        )  # fmt: skip
+        useeds = list(dict.fromkeys(seeds[r] for r in live))
+        bank_of = np.array([useeds.index(sd) if sd in useeds else 0 for sd in seeds], np.int64)
+    else:
+        modes = {methods[r].fused_loss()[0] for r in live}
+        if len(modes) != 1:
+            raise FedfeatError("stacked runs must share one loss kernel")
+        hps = np.array(
+            [[o.lr, o.momentum, o.weight_decay, m.p.logit_scale, *m.fused_loss()[1:], 0.0] for m, o in zip(methods, opts)],
+            Wgs.dtype,
+        )  # fmt: skip
+    for epoch in range(E):
+        keys = np.zeros(R, np.uint64)
+        for r in live:
+            keys[r] = shuffle_key(ctxs[r], plans[r], epoch)
+        loss_out = np.zeros((S, V), np.float64)
+        common = dict(feats=ctx0.feats.numpy(), starts=starts, sizes=sizes, B=B, keys=keys[vrun], runs=vrun, W=W,
+                      b=b, mW=mW, mb=mb, Wgs=Wgs, bgs=bgs, hps=hps, loss_out=loss_out, init=epoch == 0,
+                      one_epoch=E == 1)  # fmt: skip
+        if fst:
+            rows = bank_rows(P, D) if P else 1
+            # each seed's Gaussian bank of every step, as the run's own fused epoch draws it (float32, side by side
+            # on the kernel's threads; the memory kept from round to round, as engine.round_buffer does)
+            shape = (len(useeds), max(S, 1), rows, D)
+            like = torch.empty((), dtype=torch.float32)
+            bank32 = round_buffer(ctx0, "stacked bank", math.prod(shape), like).view(shape)
+            if (
+                P
+            ):  # per seed only the steps and rows its runs read (a bank's values do not depend on its size)
+                vseed = np.array([useeds.index(seeds[r]) for r in vrun], np.int64)
+                jobs = []
+                for u, sd in enumerate(useeds):
+                    on = vseed == u
+                    P_u, S_u = int(per[on].max()), int(steps[on].max())
+                    r = live[[seeds[x] for x in live].index(sd)]
+                    jobs += [(u, r, st, bank_rows(P_u, D)) for st in range(S_u)] if P_u else []
+
+                def draw(job, e=epoch, bank=bank32):
+                    u, r, st, n = job
+                    methods[r]._draw(ctxs[r], rnd, e, st, bank[u, st, :n])
+
+                list(_pool(threads).map(draw, jobs))
+            banks = bank32.numpy().astype(Wgs.dtype, copy=False)
+            order = np.array([rng.stream_key(sd, rnd, epoch, rng.TAG_SYNTH_ORDER) for sd in seeds], np.uint64)
+            sign = np.array([rng.stream_key(sd, rnd, epoch, rng.TAG_SYNTH_OFFSET) for sd in seeds], np.uint64)
+            kernels.stacked_epoch(
+                "fst", threads, **common, qs=Q.numpy(), text=ctx0.text.contiguous().numpy(), n_k=n_k, cids=clients,
+                key_orders=order, key_signs=sign, banks=banks, bank_of=bank_of,
+            )  # fmt: skip
+        else:
+            kernels.stacked_epoch(
+                "linear", threads, **common, labels=ctx0.labels.numpy(), mode=next(iter(modes))
+            )
+        for j, r in enumerate(live):  # summed as the run's own fused update sums its [S, m] losses
+            S_r = int(plans[r].steps.max()) if plans[r].m else 0
+            lsum[r] = lsum.get(r, 0) + float(np.ascontiguousarray(loss_out[:S_r, rr.where[j].numpy()]).sum())
+    out = {}
+    Wt, bt = torch.from_numpy(W), torch.from_numpy(b)
+    for j, r in enumerate(live):
+        w = rr.where[j]
+        out[r] = {"W": Wt[w], "b": bt[w]}
+        lcount[r] = int(steps[w.numpy()].sum()) * E
         methods[r].local_end(ctxs[r], plans[r], locs[r], out[r])
     return out, lsum, lcount
 

@@ -26,14 +26,13 @@ partitions with their own parameters::
     partition = "dirichlet"
     alpha = 0.1
 
-**Stacking** (``fedfeat sweep --stack auto|always|never``): the pending runs of a stackable method (``fedavg``,
-``fedprox``, ``fst-cbdg``) that read the same data -- same store, partition, batch size, local epochs, rounds,
-output -- are made as one batched program along a run axis (``fedfeat.stack``): their seeds, participation and
-hyperparameters may differ. Each still gets its own ordinary run directory, with what the same run made alone
-with the torch program would give (``tests/test_stack.py``); its ``summary.json`` says ``stacked_runs`` and
-``kernel = "torch"``. ``auto`` (the default) stacks where a run alone would use the torch program (a GPU,
-``--kernel torch``); on a CPU a run's fused kernel is faster than its share of the stacked torch program
-(BENCHMARKS.md, "Stacked runs"), so there the runs are made one after another in the shared process.
+**Stacking** (default; ``fedfeat sweep --no-stack`` turns it off): the pending runs of a stackable method
+(``fedavg``, ``fedprox``, ``fst-cbdg``) that read the same data -- same store, partition, batch size, local epochs,
+rounds, kernel, output -- are made as one batched program along a run axis (``fedfeat.stack``): their seeds,
+participation and hyperparameters may differ. Each still gets its own ordinary run directory with what the same
+run made alone gives (``tests/test_stack.py``: bit for bit with the fused CPU kernels, <= 1e-5 with the torch
+program); its ``summary.json`` says ``stacked_runs`` (its ``seconds`` are its share of the stack's). Other runs
+are made one after another in the shared process (BENCHMARKS.md, "Stacked runs", gives what each saves).
 """
 
 from __future__ import annotations
@@ -182,7 +181,9 @@ def _applicable(method: str, params: dict, log) -> dict:
     return {k: v for k, v in params.items() if k.replace("-", "_") in names}
 
 
-STACK_MAX = 32  # runs per stacked program (memory: the virtual clients' weights and momentum, [R x m, K, D])
+STACK_MAX = (
+    16  # runs per stacked program (memory: R x the virtual clients' heads, FST-CBDG's soft labels, banks)
+)
 
 
 def run_sweep(
@@ -191,7 +192,7 @@ def run_sweep(
     overwrite: bool = False,
     progress: bool = True,
     log=print,
-    stack: str = "auto",
+    stack: bool = True,
 ) -> list[Path]:
     """Make every point's run (skipping finished ones unless ``overwrite``); returns the run directories in the
     points' order. One process, one ``Session``; with ``stack``, runs that read the same data in one program
@@ -225,7 +226,7 @@ def run_sweep(
                 pending.append(i)
         groups: dict = {}
         for i in pending:
-            g = stack_group(cfgs[i], stack)
+            g = stack_group(cfgs[i]) if stack else None
             groups.setdefault(("one", i) if g is None else g, []).append(i)
         failed = None
         for members in groups.values():
