@@ -255,7 +255,7 @@ def register(app: typer.Typer) -> None:
         stack: bool = typer.Option(
             True,
             "--stack/--no-stack",
-            help="Make runs of fedavg / fedprox / fst-cbdg that read the same data as one batched program along a "
+            help="Make runs of fedavg / fedprox / fedntd / fst-cbdg that read the same data as one batched program along a "
             "run axis (seeds and hyperparameters may differ; each run equals the same run made alone).",
         ),
     ) -> None:

@@ -15,7 +15,7 @@ metrics <= 1e-5). The stacked program is the torch program (the fused CPU kernel
 stack pays off where per-run overhead dominates: short local updates, many runs, a GPU (BENCHMARKS.md, "Stacked
 runs"). Each run's ``train_seconds`` is the stacked round's time divided by ``R``.
 
-Stackable methods: ``fedavg``, ``fedprox``, ``fst-cbdg`` (``STACKABLE``). Other methods, and runs that differ in
+Stackable methods: ``fedavg``, ``fedprox``, ``fedntd``, ``fst-cbdg`` (``STACKABLE``). Other methods, and runs that differ in
 what shapes the data (``SHAPE_KEYS``), are made one by one (``fedfeat.sweep`` groups them).
 """
 
@@ -43,7 +43,7 @@ from fedfeat.engine import (
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.linear import batched_linear
 
-STACKABLE = ("fedavg", "fedprox", "fst-cbdg")
+STACKABLE = ("fedavg", "fedprox", "fedntd", "fst-cbdg")
 SHAPE_KEYS = ("batch_size", "local_epochs", "normalize", "templates", "renormalize_synthetic")
 
 
@@ -148,7 +148,7 @@ def _stacked(methods, data, rounds, parts, seeds, device, eval_every, on_round, 
     dt = ctx0.feats.dtype
     hp = {
         k: _per_run(methods, k).to(device=device, dtype=dt)
-        for k in ("momentum", "weight_decay", "logit_scale", "mu", "beta", "lam", "sigma")
+        for k in ("momentum", "weight_decay", "logit_scale", "mu", "tau", "beta", "lam", "sigma")
     }
     hp["self_training"] = torch.tensor([float(getattr(m.p, "self_training", True)) for m in methods])
     hp["self_training"] = hp["self_training"].to(device=device, dtype=dt)
@@ -377,6 +377,18 @@ def _local(methods, ctxs, live, plans, globs, hp, syn_sum, fst, Qflat, N, D, K, 
                     g = {k: G[k][runs[:n]] for k in G}
                     prox = sum(((p[k] - g[k]) ** 2).flatten(1).sum(1) for k in p)
                     loss = loss + 0.5 * mu[:n] * prox
+                elif methods[live[0]].name == "fedntd":  # linear.ntd_loss with per-run tau, beta
+                    with torch.no_grad():
+                        zg = scale[:n].view(n, 1, 1) * (
+                            torch.bmm(x, G["W"][runs[:n]].transpose(1, 2)) + G["b"][runs[:n]].unsqueeze(1)
+                        )
+                    tau, beta = hp["tau"][vruns[:n]], hp["beta"][vruns[:n]]
+                    ar = torch.arange(z.shape[-1] - 1, device=y.device)
+                    nt = ar + (ar >= y.unsqueeze(-1)).long()  # [n, B, K-1] the not-true classes
+                    zl = torch.gather(z, -1, nt) / tau.view(n, 1, 1)
+                    zgt = torch.gather(zg, -1, nt) / tau.view(n, 1, 1)
+                    kl = (F.softmax(zgt, -1) * (F.log_softmax(zgt, -1) - F.log_softmax(zl, -1))).sum(-1)
+                    loss = loss + beta * tau**2 * masked_mean(kl, mb)
             grads = torch.autograd.grad(loss.sum(), [p["W"], p["b"]])
             _sgd(params, dict(zip(("W", "b"), grads)), bufs, n, lr, mom, wd, first=(epoch == 0 and s == 0))
             loss_acc[:n] += loss.detach().double()

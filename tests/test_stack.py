@@ -106,12 +106,18 @@ def test_fst_cbdg_stack_equals_one_by_one(data, data64, kernel):
     _compare("fst-cbdg", cases, _data(kernel, data, data64), kernel=kernel)
 
 
+@pytest.mark.parametrize("kernel", ["torch", "fused"])
+def test_fedntd_stack_equals_one_by_one(data, data64, kernel):
+    cases = [({}, 0, 0.5), ({"tau": "3", "beta": "0.5"}, 1, 0.5), ({"lr": "0.05"}, 0, 1.0)]
+    _compare("fedntd", cases, _data(kernel, data, data64), kernel=kernel)
+
+
 def test_what_cannot_stack_is_refused(data):
     with pytest.raises(FedfeatError, match="cannot be stacked"):
         run_stacked([get_method("fedavg", {}), get_method("fedavg", {"batch_size": "10"})], data, rounds=1,
                     participation=1.0, seeds=[0, 0])  # fmt: skip
     with pytest.raises(FedfeatError, match="cannot be stacked"):
-        run_stacked([get_method("fedntd", {})], data, rounds=1, participation=1.0, seeds=[0])
+        run_stacked([get_method("fedavgm", {})], data, rounds=1, participation=1.0, seeds=[0])
 
 
 def test_a_diverging_run_stops_alone(data64):
