@@ -157,21 +157,12 @@ def _stacked(methods, data, rounds, parts, seeds, device, eval_every, on_round, 
     rows: list[list[dict]] = [[] for _ in range(R)]
     alive = [True] * R
     test_y = data.test_y
+
+    def record(rnd, runs, extra, t0=None):
+        _record(methods, ctxs, data, globs, rows, on_round, rnd, runs, extra, eval_every, rounds, test_y, t0)
+
     ok = [r for r in range(R) if _check(methods, ctxs, globs, 0, None, r, alive, results)]
-    _record(
-        methods,
-        ctxs,
-        data,
-        globs,
-        rows,
-        on_round,
-        0,
-        ok,
-        {r: _row0() for r in ok},
-        eval_every,
-        rounds,
-        test_y,
-    )
+    record(0, ok, {r: _row0() for r in ok})
     for rnd in range(1, rounds + 1):
         t0 = time.perf_counter()
         live = [r for r in range(R) if alive[r]]
@@ -221,21 +212,7 @@ def _stacked(methods, data, rounds, parts, seeds, device, eval_every, on_round, 
                 "bytes_down": plans[r].m * param_bytes(methods[r].broadcast(ctxs[r], globs[r])),
                 "train_seconds": train_seconds,
             }
-        _record(
-            methods,
-            ctxs,
-            data,
-            globs,
-            rows,
-            on_round,
-            rnd,
-            list(extra),
-            extra,
-            eval_every,
-            rounds,
-            test_y,
-            t0,
-        )
+        record(rnd, list(extra), extra, t0)
     for r in range(R):
         if results[r] is None:
             results[r] = (methods[r].final_weights(ctxs[r], globs[r]), rows[r])
