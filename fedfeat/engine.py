@@ -385,7 +385,9 @@ def evaluate(method, ctx: Context, glob: dict, test_y: torch.Tensor, n_classes: 
     if getattr(ctx, "open_vocab", None) is not None:
         return evaluate_open_vocab(method, ctx, glob, test_y, n_classes)
     logits = method.predict(ctx, glob, ctx.test_x)
-    pred = logits.argmax(1)
+    # a class-major head's logits come as a transposed view: argmax over the classes of a contiguous copy is ~3x
+    # faster than the strided reduction (10,000 x 10: 0.45 vs 1.44 ms on one thread), and gives the same indices
+    pred = logits.contiguous().argmax(1)
     correct = (pred == test_y).to(torch.float64)
     per_class = torch.zeros(n_classes, dtype=torch.float64, device=test_y.device).index_add_(
         0, test_y, correct

@@ -135,6 +135,7 @@ def _stacked(methods, data, rounds, parts, seeds, device, eval_every, on_round, 
     fst = name == "fst-cbdg"
     p0 = methods[0].p
     ctx0 = build_context(data, methods[0], seeds[0], device)
+    ctx0.threads = threads
     ctxs = [dataclasses.replace(ctx0, seed=int(s), state={}, cache=ctx0.cache, rounds=rounds) for s in seeds]
     N, D, K = ctx0.feats.shape[0], ctx0.D, ctx0.K
     for m, c in zip(methods, ctxs):
@@ -249,8 +250,19 @@ def _record(
             W = torch.stack([globs[r]["W"] for r in runs])  # [r, K, D]
             b = torch.stack([globs[r]["b"] for r in runs])
             scale = torch.tensor([methods[r].p.logit_scale for r in runs], dtype=W.dtype, device=W.device)
-            z = torch.baddbmm(b.unsqueeze(2), W, c0.test_xT().unsqueeze(0).expand(len(runs), -1, -1))
-            pred = (scale.view(-1, 1, 1) * z).argmax(1)  # [r, Nt]
+            # one product for all runs' heads: the test features are read once per round, not once per run; at
+            # R x K rows it is compute-bound, so it gets the run's threads (torch runs on one beside fused kernels)
+            one = torch.get_num_threads()
+            torch.set_num_threads(max(one, c0.threads))
+            try:
+                z = torch.addmm(b.reshape(-1, 1), W.reshape(-1, W.shape[2]), c0.test_xT()).view(
+                    len(runs), K, -1
+                )
+            finally:
+                torch.set_num_threads(one)
+            pred = (
+                (scale.view(-1, 1, 1) * z).transpose(1, 2).contiguous().argmax(-1)
+            )  # [r, Nt] (engine.evaluate)
             correct = (pred == test_y.unsqueeze(0)).to(torch.float64)
             per = torch.zeros(len(runs), K, dtype=torch.float64, device=test_y.device).index_add_(
                 1, test_y, correct
