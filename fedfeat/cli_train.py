@@ -286,7 +286,10 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def reproduce(
-        name: str = typer.Argument(..., help="fst-cbdg-table1 .. fst-cbdg-table4, clip2fl-table1."),
+        name: str = typer.Argument(
+            ...,
+            help="fst-cbdg-table1 .. fst-cbdg-table4, clip2fl-table1, fed-mp-table1, fed-mp-table1-f1, fedcopl-table1.",
+        ),
         store_root: Path = typer.Option(
             Path("cache"), help="Where the encoded stores are: ROOT/<dataset>/<backbone>-*.zarr."
         ),

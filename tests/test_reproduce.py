@@ -73,3 +73,107 @@ def test_undrawable_column_is_named_not_fatal(small_shapes, tmp_path, monkeypatc
                      out=tmp_path / "r", log=lambda *a: None)  # fmt: skip
     assert "n/a (68.7)" not in md  # zero-shot does not depend on the partition: it is shown in every column
     assert "n/a in cifar10 a=0.05: dirichlet: no draw in 50 gave all 100 clients >= 10 samples" in md
+
+
+@pytest.fixture()
+def tiny_new_tables(monkeypatch):
+    """Fed-MP's Table 1 on Caltech101 alone and FedCoPL's main table on CIFAR-10 alone, tiny stand-in stores."""
+    monkeypatch.setattr(R, "SYNTH_SHAPES", {
+        ("caltech101", "ViT-L-14-336"): dict(classes=102, train_per_class=12, test_per_class=5, dim=32, templates=1,
+                                             s=0.1, eta=0.7),
+        ("cifar10", "ViT-B-32"): dict(classes=10, train_per_class=60, test_per_class=20, dim=32, templates=2),
+    })  # fmt: skip
+    for name, keep in (("fed-mp-table1", 0), ("fed-mp-table1-f1", 0), ("fedcopl-table1", 4)):
+        t = R.TABLES[name]
+        cut = {k: [v[keep]] for k, v in t.paper.items()}
+        std = {k: [v[keep]] for k, v in (t.paper_std or {}).items()} or None
+        small = R.Table(**{**t.__dict__, "columns": [t.columns[keep]], "paper": cut, "paper_std": std})
+        monkeypatch.setitem(R.TABLES, name, small)
+
+
+def _summaries(out):
+    return [json.loads(p.read_text()) for p in out.glob("*/summary.json")]
+
+
+def test_fedmp_table_open_vocab_metric_and_na_rows(tiny_new_tables, tmp_path):
+    """Fed-MP Table 1: the open-vocabulary runs' novel accuracy beside the paper's (fractions shown x100, with its
+    ±), datasets as rows; prompt methods n/a on a stand-in (no live encoder), ResNet rows n/a (not in fedfeat);
+    the F1 table reads the same runs' novel_f1."""
+    kw = dict(store_root=tmp_path / "cache", synthetic=True, seeds=2, rounds=1, log=lambda *a: None)
+    cells = json.loads(R.reproduce("fed-mp-table1", fmt="json", out=tmp_path / "runs", **kw))
+    by = {c["row"]: c for c in cells if c["column"] == "Caltech101"}
+    runs = _summaries(tmp_path / "runs")
+    assert len(runs) == 6 and {r["method"] for r in runs} == {"zeroshot", "fedclip", "fed-mp"}
+    assert all(r["partition"].startswith("disjoint-classes-shot10-c10") and r["rounds"] == 1 for r in runs)
+    for row, method in (
+        ("Fed-MP", "fed-mp"),
+        ("FedCLIP", "fedclip"),
+        ("CLIP-ZS (not in the paper)", "zeroshot"),
+    ):
+        acc = [r["final_acc"] for r in runs if r["method"] == method]
+        assert by[row]["n"] == 2 and by[row]["mean"] == pytest.approx(np.mean(acc))
+        assert by[row]["metric"] == "final_acc" and by[row]["why"] is None
+    assert by["Fed-MP"]["paper"] == 99.36 and by["Fed-MP"]["paper_std"] == 0.1
+    for row in ("PromptFL", "FedTPG"):
+        assert by[row]["mean"] is None and by[row]["n"] == 0
+        assert "live text encoder" in by[row]["why"] and "synthetic stand-in" in by[row]["why"]
+    assert "not in fedfeat" in by["FedAvg (NN)"]["why"] and by["FedAvg (NN)"]["paper"] == 50.9
+    avg = {c["row"]: c for c in cells if c["column"] == "Avg."}
+    assert avg["Fed-MP"]["paper"] == 92.99 and avg["Fed-MP"]["mean"] == pytest.approx(by["Fed-MP"]["mean"])
+    # the F1 table: the same runs (reused, not redone), its own metric
+    logs = []
+    md = R.reproduce("fed-mp-table1-f1", out=tmp_path / "runs", **{**kw, "log": logs.append})
+    assert sum("finished already, skipped" in m for m in logs) == 6
+    f1 = np.mean([r["novel_f1"] for r in runs if r["method"] == "fed-mp"])
+    line = next(x for x in md.splitlines() if x.startswith("| Caltech101 |")).split(" | ")
+    assert line[-1].startswith(f"{f1:.2f}") and line[-1].endswith("(98.76 ± 0.20) |")
+    assert md.splitlines()[0].startswith("Fed-MP Table 1") and "[summary.json: novel_f1]" in md
+    assert "| dataset | CLIP-ZS (not in the paper) | FedAvg (NN) |" in md and "| Average |" in md
+    assert "n/a for PromptFL (all columns): promptfl needs the store's live text encoder" in md
+
+
+def test_fedcopl_table_local_accuracy_and_na_rows(tiny_new_tables, tmp_path, monkeypatch):
+    """FedCoPL's main table reports local_acc (dirichlet-joint, local test splits); fedcopl / promptfl rows are n/a
+    on a stand-in with the reason, rows fedfeat lacks say so; a live row that fails at run time is n/a too."""
+    kw = dict(store_root=tmp_path / "cache", synthetic=True, seeds=2, rounds=1, out=tmp_path / "runs",
+              log=lambda *a: None)  # fmt: skip
+    cells = json.loads(R.reproduce("fedcopl-table1", fmt="json", **kw))
+    by = {c["row"]: c for c in cells if c["column"] == "CIFAR10"}
+    runs = _summaries(tmp_path / "runs")
+    assert {r["method"] for r in runs} == {"zeroshot", "copl-linear"} and len(runs) == 4
+    assert all(r["partition"].startswith("dirichlet-joint-a0.1-c10") for r in runs)
+    for row, method in (
+        ("CLIP Zero-shot", "zeroshot"),
+        ("CoPL + linear head (not in the paper)", "copl-linear"),
+    ):
+        loc = [r["local_acc"] for r in runs if r["method"] == method]
+        assert by[row]["metric"] == "local_acc" and by[row]["mean"] == pytest.approx(np.mean(loc))
+    assert by["CLIP Zero-shot"]["paper"] == 86.93
+    assert "pixels" in by["FedCoPL"]["why"] and "live text encoder" in by["FedCoPL"]["why"]
+    assert by["FedCoPL"]["paper"] == 95.38 and by["FedCoPL"]["mean"] is None
+    assert by["pFedPrompt + CPL"]["why"].startswith("pFedPrompt is not in fedfeat")
+    assert "live text encoder" in by["PromptFL + FPL"]["why"]
+
+    # a prompt row that gets past the checks and fails in its run is that cell's n/a, the grid goes on
+    def only_missing_methods(t, stores, skip=()):
+        return {
+            (r, c): row.why
+            for r, row in enumerate(t.rows)
+            if row.method is None
+            for c in range(len(t.columns))
+        }
+
+    monkeypatch.setattr(R, "runnable", only_missing_methods)
+    md = R.reproduce("fedcopl-table1", **kw)
+    assert "n/a for PromptFL + FPL (all columns): store " in md and "has no encoder to rebuild" in md
+    assert "| CLIP Zero-shot |" in md and "[summary.json: local_acc]" in md
+    assert not list((tmp_path / "runs").glob("promptfl*"))
+
+
+def test_new_tables_name_the_encode_command(tmp_path):
+    with pytest.raises(FedfeatError, match=r"no ViT-L-14-336 store of caltech101 .*`fedfeat encode --dataset "
+                       r"imagefolder --root ~/data/caltech101 --name caltech101 --backbone ViT-L-14-336"):  # fmt: skip
+        R.reproduce("fed-mp-table1", store_root=tmp_path, log=lambda *a: None)
+    with pytest.raises(FedfeatError, match=r"no ViT-B-32 store of dtd .*`fedfeat encode --dataset listfile --root "
+                       r"~/data/dtd --name dtd --backbone ViT-B-32 .*--pixels"):  # fmt: skip
+        R.reproduce("fedcopl-table1", store_root=tmp_path, log=lambda *a: None)
