@@ -87,6 +87,7 @@ class Table:
     paper_std: dict[str, list[float | None]] | None = None  # the paper's ± per cell, where it prints one
     paper_avg: dict[str, float | None] | None = None  # an "Avg." over the columns: the paper's per row
     transpose: bool = False  # the paper's layout has datasets as rows, methods as columns
+    paper_format: str = ""  # format spec of the paper's numbers as shown ("" : as transcribed, 74.0)
     runs: str | None = None  # the runs' folder name (tables over the same runs share it); default: name
 
 
@@ -315,6 +316,7 @@ TABLES["fed-mp-table1"] = Table(
     paper_avg={"FedAvg (NN)": .4947, "FedKA (NN)": .5245, "PromptFL": .8948, "FedTPG": .8974, "FedCLIP": .9003,
                "Fed-MP": .9299},
     transpose=True,
+    paper_format=".2f",
     runs="fed-mp-table1",
 )  # fmt: skip
 TABLES["fed-mp-table1-f1"] = Table(
@@ -348,6 +350,7 @@ TABLES["fed-mp-table1-f1"] = Table(
     paper_avg={"FedAvg (NN)": .5111, "FedKA (NN)": .5452, "PromptFL": .8803, "FedTPG": .8794, "FedCLIP": .8880,
                "Fed-MP": .9247},
     transpose=True,
+    paper_format=".2f",
     runs="fed-mp-table1",
 )  # fmt: skip
 
@@ -398,6 +401,7 @@ TABLES["fedcopl-table1"] = Table(
     metric_label="mean local test accuracy (%; local_acc, each client's own test split)",
     paper_avg={"CLIP Zero-shot": 60.19, "PromptFL + FPL": 61.33, "pFedPrompt + CPL": 62.45, "FedOPT + CPL": 57.17,
                "FedCoPL": 72.49},
+    paper_format=".2f",
 )  # fmt: skip
 
 # where `fedfeat encode` reads a dataset for the encode commands above: (format, folder); others: listfile, ~/data/NAME
@@ -613,7 +617,7 @@ def render(
         return json.dumps(out, indent=1)
 
     def num(x: float) -> str:
-        return f"{x:.2f}" if table.paper_scale != 1 else str(x)
+        return format(x, table.paper_format) if table.paper_format else str(x)
 
     def cell(r: int, c: int) -> str:
         m, s, _ = cells[(r, c)]
