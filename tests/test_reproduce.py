@@ -177,3 +177,44 @@ def test_new_tables_name_the_encode_command(tmp_path):
     with pytest.raises(FedfeatError, match=r"no ViT-B-32 store of dtd .*`fedfeat encode --dataset listfile --root "
                        r"~/data/dtd --name dtd --backbone ViT-B-32 .*--pixels"):  # fmt: skip
         R.reproduce("fedcopl-table1", store_root=tmp_path, log=lambda *a: None)
+
+
+def test_prompt_rows_on_an_encoded_store_run_or_say_why(tmp_path):
+    """On a store made by `fedfeat encode` (the tiny open_clip model) a prompt row runs (its live encoder loaded
+    once, before the runs); fedcopl without pixels and fedtpg in the open-vocabulary setting (it refuses at
+    set-up) are n/a with their reasons, and the other cells still run."""
+    from helpers_clip import TINY_NAME, make_tiny_clip, run_cli, write_cifar10
+
+    tc = make_tiny_clip(tmp_path / "tinyclip")
+    c10 = write_cifar10(tmp_path / "data" / "cifar-10-batches-py", n_train=120, n_test=30)
+    r = run_cli(["encode", "--dataset", "cifar10", "--root", c10.root, "--backbone", tc.config, "--pretrained",
+                 tc.weights, "--out", tmp_path / "cache", "--device", "cpu"])  # fmt: skip
+    assert r.exit_code == 0, (r.output, r.exception)
+    joint = {"partition": "dirichlet-joint", "alpha": 0.5, "local_test": "joint"}
+    table = R.Table(
+        "tiny-prompts", "tiny prompt rows", TINY_NAME, "make cache-tiny",
+        [R.Column("cifar10", "joint", joint), R.Column("cifar10", "open", {"partition": "disjoint-classes", "shots": 10})],
+        [R.Row("ZS", "zeroshot"),
+         R.Row("PromptFL + FPL", "promptfl", {"pseudo": "fpl", "n_ctx": "2", "batch_size": "16", "local_epochs": "1"}),
+         R.Row("FedTPG", "fedtpg", {"batch_size": "16"}), R.Row("FedCoPL", "fedcopl")],
+        {"ZS": [1.0, 2.0]}, {"clients": 3, "participation": 1.0, "rounds": 1, "device": "cpu"},
+    )  # fmt: skip
+    R.TABLES["tiny-prompts"] = table
+    try:
+        logs = []
+        cells = json.loads(R.reproduce("tiny-prompts", store_root=tmp_path / "cache", seeds=1, fmt="json",
+                                       out=tmp_path / "runs", log=logs.append))  # fmt: skip
+    finally:
+        del R.TABLES["tiny-prompts"]
+    by = {(c["row"], c["column"]): c for c in cells}
+    assert (
+        by[("ZS", "joint")]["n"] == 1 and by[("ZS", "open")]["n"] == 1 and by[("ZS", "open")]["paper"] == 2.0
+    )
+    assert by[("PromptFL + FPL", "joint")]["n"] == 1 and by[("FedTPG", "joint")]["n"] == 1
+    assert "not supported yet" in by[("FedTPG", "open")]["why"] and by[("FedTPG", "open")]["mean"] is None
+    for col in ("joint", "open"):
+        assert "needs pixels" in by[("FedCoPL", col)]["why"]
+    runs = _summaries(tmp_path / "runs")
+    fpl = [x for x in runs if x["method"] == "promptfl" and x["partition"].startswith("dirichlet-joint")]
+    assert len(fpl) == 1 and by[("PromptFL + FPL", "joint")]["mean"] == pytest.approx(fpl[0]["final_acc"])
+    assert not [x for x in runs if x["method"] == "fedcopl"]
