@@ -315,8 +315,13 @@ class CoPLLinearParams(LinearHeadParams):
     refresh: int = 5  # Q: pseudo-labels refreshed every Q rounds from the current head (FedCoPL's Q)
     pseudo: Literal["copl", "fpl"] = "copl"  # the pseudo-labeller (fedfeat.copl / fedfeat.pseudolabel)
     pseudo_k: int = 16  # FPL's k
+    # CLIP's scale (ours; FedCoPL trains its prompts at CLIP's logit scale, and the pseudo-labels are chosen at it):
+    # at the linear heads' default of 1 the head drifts off its zero-shot start on pseudo-labels (synthetic
+    # CIFAR-10, Dirichlet-joint 0.1, 10 clients, 20 rounds: local accuracy 45.2 vs 78.0 at 100; zero-shot 71.9)
+    logit_scale: float = 100.0
 
     def validate(self) -> None:
+        super().validate()
         if self.refresh < 1 or self.pseudo_k < 1:
             raise FedfeatError(f"refresh and pseudo_k must be >= 1, got {self.refresh} and {self.pseudo_k}")
 
