@@ -41,7 +41,8 @@ from fedfeat.engine import (
     resolve_kernel,
 )
 from fedfeat.errors import FedfeatError
-from fedfeat.methods.linear import batched_linear
+from fedfeat.methods.fst_cbdg import synthetic_head
+from fedfeat.methods.linear import batched_linear, ntd_loss
 
 STACKABLE = ("fedavg", "fedprox", "fedntd", "fst-cbdg")
 SHAPE_KEYS = ("batch_size", "local_epochs", "normalize", "templates", "renormalize_synthetic")
@@ -137,7 +138,7 @@ def _stacked(methods, data, rounds, parts, seeds, device, eval_every, on_round, 
     ctx0 = build_context(data, methods[0], seeds[0], device)
     ctx0.threads = threads
     ctxs = [dataclasses.replace(ctx0, seed=int(s), state={}, cache=ctx0.cache, rounds=rounds) for s in seeds]
-    N, D, K = ctx0.feats.shape[0], ctx0.D, ctx0.K
+    N, D, K = ctx0.feats.shape[0], ctx0.D, ctx0.K  # K: the soft labels' width
     for m, c in zip(methods, ctxs):
         m.setup(c)
     if fst:  # the soft labels with a run axis; each run's context sees its own slice (a view)
@@ -191,7 +192,6 @@ def _stacked(methods, data, rounds, parts, seeds, device, eval_every, on_round, 
                 Qflat if fst else None,
                 N,
                 D,
-                K,
                 rnd,
                 device,
             )
@@ -299,13 +299,13 @@ def _record(
             on_round(r, row)
 
 
-def _local(methods, ctxs, live, plans, globs, hp, syn_sum, fst, Qflat, N, D, K, rnd, device):
+def _local(methods, ctxs, live, plans, globs, hp, syn_sum, fst, Qflat, N, D, rnd, device):
     """Every live run's local update as one program over the virtual clients; returns per run its clients'
     parameters in its plan's order, and its loss sum and step count."""
     rr = _virtual([plans[r] for r in live])
     runs = torch.as_tensor(live, dtype=torch.int64)[rr.vrun]  # [V] run of each virtual client
     V = len(runs)
-    p0 = methods[live[0]].p
+    p0, name = methods[live[0]].p, methods[live[0]].name
     B, E = p0.batch_size, p0.local_epochs
     G = {k: torch.stack([globs[r][k] for r in range(len(globs))]) for k in ("W", "b")}  # [R, ...]
     params = {k: G[k][runs].clone() for k in G}  # [V, ...]
@@ -345,11 +345,9 @@ def _local(methods, ctxs, live, plans, globs, hp, syn_sum, fst, Qflat, N, D, K, 
                     live,
                     z,
                     p,
-                    x,
                     ib,
                     mb,
                     vruns[:n],
-                    rr,
                     syn,
                     hp,
                     syn_sum,
@@ -359,25 +357,19 @@ def _local(methods, ctxs, live, plans, globs, hp, syn_sum, fst, Qflat, N, D, K, 
                     epoch,
                     rnd,
                 )
-            else:
-                y = ctxs[0].labels[ib]
-                loss = masked_mean(F.cross_entropy(z.transpose(1, 2), y, reduction="none"), mb)
-                if methods[live[0]].name == "fedprox":
+            elif name == "fedntd":  # linear.ntd_loss, per-run tau and beta
+                with torch.no_grad():
                     g = {k: G[k][runs[:n]] for k in G}
-                    prox = sum(((p[k] - g[k]) ** 2).flatten(1).sum(1) for k in p)
-                    loss = loss + 0.5 * mu[:n] * prox
-                elif methods[live[0]].name == "fedntd":  # linear.ntd_loss with per-run tau, beta
-                    with torch.no_grad():
-                        zg = scale[:n].view(n, 1, 1) * (
-                            torch.bmm(x, G["W"][runs[:n]].transpose(1, 2)) + G["b"][runs[:n]].unsqueeze(1)
-                        )
-                    tau, beta = hp["tau"][vruns[:n]], hp["beta"][vruns[:n]]
-                    ar = torch.arange(z.shape[-1] - 1, device=y.device)
-                    nt = ar + (ar >= y.unsqueeze(-1)).long()  # [n, B, K-1] the not-true classes
-                    zl = torch.gather(z, -1, nt) / tau.view(n, 1, 1)
-                    zgt = torch.gather(zg, -1, nt) / tau.view(n, 1, 1)
-                    kl = (F.softmax(zgt, -1) * (F.log_softmax(zgt, -1) - F.log_softmax(zl, -1))).sum(-1)
-                    loss = loss + beta * tau**2 * masked_mean(kl, mb)
+                    zg = scale[:n].view(n, 1, 1) * (
+                        torch.bmm(x, g["W"].transpose(1, 2)) + g["b"].unsqueeze(1)
+                    )
+                loss = ntd_loss(z, zg, ctxs[0].labels[ib], mb, hp["tau"][vruns[:n]], hp["beta"][vruns[:n]])
+            else:
+                ce = F.cross_entropy(z.transpose(1, 2), ctxs[0].labels[ib], reduction="none")
+                loss = masked_mean(ce, mb)
+                if name == "fedprox":
+                    g = {k: G[k][runs[:n]] for k in G}
+                    loss = loss + 0.5 * mu[:n] * sum(((p[k] - g[k]) ** 2).flatten(1).sum(1) for k in p)
             grads = torch.autograd.grad(loss.sum(), [p["W"], p["b"]])
             _sgd(params, dict(zip(("W", "b"), grads)), bufs, n, lr, mom, wd, first=(epoch == 0 and s == 0))
             loss_acc[:n] += loss.detach().double()
@@ -437,7 +429,8 @@ def _local_fused(methods, ctxs, live, plans, globs, rnd, threads, fst, Q):
               float(m.p.synthetic_draw == "iteration")] for m, o in zip(methods, opts)],
             Wgs.dtype,
         )  # fmt: skip
-        useeds = list(dict.fromkeys(seeds[r] for r in live))
+        useeds = list(dict.fromkeys(seeds[r] for r in live))  # a bank per seed, drawn with its first live run
+        first_of = [live[[seeds[r] for r in live].index(sd)] for sd in useeds]
         bank_of = np.array([useeds.index(sd) if sd in useeds else 0 for sd in seeds], np.int64)
     else:
         modes = {methods[r].fused_loss()[0] for r in live}
@@ -467,11 +460,10 @@ def _local_fused(methods, ctxs, live, plans, globs, rnd, threads, fst, Q):
             ):  # per seed only the steps and rows its runs read (a bank's values do not depend on its size)
                 vseed = np.array([useeds.index(seeds[r]) for r in vrun], np.int64)
                 jobs = []
-                for u, sd in enumerate(useeds):
+                for u in range(len(useeds)):
                     on = vseed == u
                     P_u, S_u = int(per[on].max()), int(steps[on].max())
-                    r = live[[seeds[x] for x in live].index(sd)]
-                    jobs += [(u, r, st, bank_rows(P_u, D)) for st in range(S_u)] if P_u else []
+                    jobs += [(u, first_of[u], st, bank_rows(P_u, D)) for st in range(S_u)] if P_u else []
 
                 def draw(job, e=epoch, bank=bank32):
                     u, r, st, n = job
@@ -540,7 +532,7 @@ def _syn_tables(methods, ctxs, live, plans, locs, rr, S, epoch, dev):
     return {"cls": cls, "mask": msk, "sign": sign}
 
 
-def _fst_loss(methods, ctxs, live, z, p, x, ib, mb, vr, rr, syn, hp, syn_sum, Qflat, N, s, epoch, rnd):
+def _fst_loss(methods, ctxs, live, z, p, ib, mb, vr, syn, hp, syn_sum, Qflat, N, s, epoch, rnd):
     """FST-CBDG's step loss (``FSTCBDG.step_loss``) over virtual clients with per-run soft labels and draws."""
     n = z.shape[0]
     gpos = vr.view(n, 1) * N + ib  # rows of the stacked soft labels
@@ -577,16 +569,12 @@ def _fst_loss(methods, ctxs, live, z, p, x, ib, mb, vr, rr, syn, hp, syn_sum, Qf
         WE.index_copy_(0, sel, torch.matmul(Ws.reshape(-1, D), eps.T).view(len(sel), K, P))
         if ev is not None:
             ev.index_copy_(0, sel, eps.expand(len(sel), P, D))
-    sigma = (hp["sigma"][vr] / math.sqrt(D)).view(n, 1, 1)
-    WT = torch.matmul(W, ctxs[0].text.T)  # [n, K, K]
-    lin = torch.gather(WT, 2, cls.unsqueeze(1).expand(n, K, P)) + sigma * sign.unsqueeze(1) * WE
-    if methods[live[0]].p.renormalize_synthetic:
+    renorm = None
+    if ev is not None:
         te = torch.bmm(ctxs[0].text.unsqueeze(0).expand(n, -1, -1), ev.transpose(1, 2))  # [n, K, P]
-        tc_e = torch.gather(te, 1, cls.unsqueeze(1)).squeeze(1)  # [n, P]
-        sg = sigma.view(n, 1)
-        sq = 1 + 2 * sg * sign * tc_e + sg**2 * (ev * ev).sum(2)
-        lin = lin / sq.clamp_min(1e-12).sqrt().unsqueeze(1)
-    zs = hp["logit_scale"][vr].view(n, 1, 1) * (lin.transpose(1, 2) + b.unsqueeze(1))  # [n, P, K]
+        renorm = (torch.gather(te, 1, cls.unsqueeze(1)).squeeze(1), (ev * ev).sum(2))
+    sigma = (hp["sigma"][vr] / math.sqrt(D)).view(n, 1, 1)
+    zs = synthetic_head(W, b, ctxs[0].text, cls, sign, WE, sigma, hp["logit_scale"][vr].view(n, 1, 1), renorm)
     ce = F.cross_entropy(zs.transpose(1, 2), cls, reduction="none")  # [n, P]
     summed = (ce * smask.to(ce.dtype)).sum(1)
     mean = masked_mean(ce, smask)

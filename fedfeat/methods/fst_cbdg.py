@@ -149,6 +149,22 @@ def soft_label_update(q: torch.Tensor, f: torch.Tensor, beta: float) -> torch.Te
     return beta * q + (1 - beta) * f
 
 
+def synthetic_head(W, b, text, cls, sign, WE, sigma, scale, renorm=None) -> torch.Tensor:
+    """Logits ``[n, P, K]`` of synthetic samples ``x = T_c + sigma * sign * eps`` from ``WE = W eps^T  # [n, K, P]``:
+    ``W x = (W T^T)[:, c] + sigma * sign * WE``, divided by ``||x||`` when ``renorm = (T_c . eps  # [n, P],
+    ||eps||^2)``. ``sigma``, ``scale``: one value, or one per client ``[n, 1, 1]`` (stacked runs)."""
+    n, K, _ = W.shape
+    WT = torch.matmul(W, text.T)  # [n, K, K]: W_j . T_c for every class c
+    lin = torch.gather(WT, 2, cls.unsqueeze(1).expand(n, K, cls.shape[1]))  # [n, K, P]
+    lin = lin + sigma * sign.unsqueeze(1) * WE
+    if renorm is not None:
+        tc_e, eps_sq = renorm
+        sg = sigma.view(n, 1) if torch.is_tensor(sigma) else sigma
+        sq = 1 + 2 * sg * sign * tc_e + sg**2 * eps_sq
+        lin = lin / sq.clamp_min(1e-12).sqrt().unsqueeze(1)
+    return scale * (lin.transpose(1, 2) + b.unsqueeze(1))  # [n, P, K]
+
+
 @register
 class FSTCBDG(LinearHead):
     """FST-CBDG: label-free self-training + class-balanced Gaussian sampling around text prototypes."""
@@ -282,17 +298,13 @@ class FSTCBDG(LinearHead):
         p = self.p
         W, b = params["W"], params["b"]  # [n, K, D], [n, K]
         n, K, D = W.shape
-        sigma = p.sigma / math.sqrt(D)
-        WT = torch.matmul(W, ctx.text.T)  # [n, K, K]: W_j . T_c for every class c
         WE = torch.matmul(W.reshape(n * K, D), eps.T).view(n, K, -1)  # [n, K, P]
-        lin = torch.gather(WT, 2, cls.unsqueeze(1).expand(n, K, cls.shape[1]))  # [n, K, P]
-        lin = lin + sigma * sign.unsqueeze(1) * WE
+        renorm = None
         if p.renormalize_synthetic:
             te = ctx.text @ eps.T  # [K, P]
             tc_e = torch.gather(te.unsqueeze(0).expand(n, K, -1), 1, cls.unsqueeze(1)).squeeze(1)  # [n, P]
-            sq = 1 + 2 * sigma * sign * tc_e + sigma**2 * (eps * eps).sum(1)
-            lin = lin / sq.clamp_min(1e-12).sqrt().unsqueeze(1)
-        return p.logit_scale * (lin.transpose(1, 2) + b.unsqueeze(1))  # [n, P, K]
+            renorm = (tc_e, (eps * eps).sum(1))
+        return synthetic_head(W, b, ctx.text, cls, sign, WE, p.sigma / math.sqrt(D), p.logit_scale, renorm)
 
     def step_loss(self, ctx, params, batch, local):
         p = self.p

@@ -207,18 +207,20 @@ def ntd_loss(
     z_global: torch.Tensor,
     y: torch.Tensor,
     mask: torch.Tensor,
-    tau: float,
-    beta: float,
+    tau: float | torch.Tensor,
+    beta: float | torch.Tensor,
 ) -> torch.Tensor:
     """FedNTD (Lee et al. 2022) per client: ``CE(z, y) + beta tau^2 KL(softmax(zg~/tau) || softmax(zl~/tau))``,
     where ``~`` removes the true-class column; KL is ``KLDivLoss(batchmean)``: summed over classes, averaged
-    over the client's samples. Shapes: ``z_*  # [n, B, K]``, ``y, mask  # [n, B]`` -> ``[n]``."""
+    over the client's samples. Shapes: ``z_*  # [n, B, K]``, ``y, mask  # [n, B]`` -> ``[n]``; ``tau``, ``beta``
+    one value, or one per client ``[n]`` (stacked runs, ``fedfeat.stack``)."""
     K = z_local.shape[-1]
     ce = F.cross_entropy(z_local.transpose(1, 2), y, reduction="none")  # [n, B]
     ar = torch.arange(K - 1, device=y.device)
     nt = ar + (ar >= y.unsqueeze(-1)).long()  # [n, B, K-1] indices of the not-true classes
-    zl = torch.gather(z_local, -1, nt) / tau
-    zg = torch.gather(z_global, -1, nt) / tau
+    t = tau.view(-1, 1, 1) if torch.is_tensor(tau) else tau
+    zl = torch.gather(z_local, -1, nt) / t
+    zg = torch.gather(z_global, -1, nt) / t
     pg = F.softmax(zg, -1)
     kl = (pg * (F.log_softmax(zg, -1) - F.log_softmax(zl, -1))).sum(-1)  # [n, B]
     return masked_mean(ce, mask) + beta * tau**2 * masked_mean(kl, mask)
