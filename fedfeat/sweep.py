@@ -181,9 +181,8 @@ def _applicable(method: str, params: dict, log) -> dict:
     return {k: v for k, v in params.items() if k.replace("-", "_") in names}
 
 
-STACK_MAX = (
-    16  # runs per stacked program (memory: R x the virtual clients' heads, FST-CBDG's soft labels, banks)
-)
+# runs per stacked program (memory: R x the virtual clients' heads, FST-CBDG's soft labels, banks)
+STACK_MAX = 16
 
 
 def run_sweep(
