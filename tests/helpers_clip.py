@@ -104,6 +104,30 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def kill_after_first_chunk(args: list, store: Path, timeout: float = 60.0) -> None:
+    """Run ``fedfeat ARGS`` (an encode) in a fresh interpreter, slowed after each chunk, and SIGKILL it once the
+    first train chunk of ``store`` is recorded done."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        cli_argv() + [str(a) for a in args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=subprocess_env(FEDFEAT_TEST_CHUNK_SLEEP="0.5"),
+    )
+    done = Path(store) / "train" / "done" / "c"
+    deadline = time.monotonic() + timeout
+    while not (done.is_dir() and any(done.iterdir())):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "encode never wrote a chunk"
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+
+
 def run_subprocess(args: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run(
         cli_argv() + [str(a) for a in args],

@@ -5,9 +5,6 @@ The same images are written as an ImageFolder tree, as a Hugging Face ``DatasetD
 layout (``train/{0,1}.tar``, ``test/{0,1}.tar``, ``classnames.txt``); all three must encode to the same store.
 """
 
-import os
-import signal
-import subprocess
 import sys
 import tarfile
 import time
@@ -16,14 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers_clip import (
-    REPO,
     TINY_NAME,
-    cli_argv,
     cli_error_text,
+    kill_after_first_chunk,
     make_tiny_clip,
     run_cli,
     store_snapshot,
-    subprocess_env,
     write_imagefolder,
 )
 
@@ -178,22 +173,7 @@ def test_killed_wds_encode_resumes_identical(tc, wds_root, wds_store, tmp_path):
     out = tmp_path / "cache"
     args = enc_args(f"wds:{wds_root}", tc, out)
     path = out / "wds_pets" / f"{TINY_NAME}-tiny.zarr"
-    proc = subprocess.Popen(
-        cli_argv() + [str(a) for a in args],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=subprocess_env(FEDFEAT_TEST_CHUNK_SLEEP="0.5"),
-    )
-    done = path / "train" / "done" / "c"
-    deadline = time.monotonic() + 60
-    while not (done.is_dir() and any(done.iterdir())):
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "encode never wrote a chunk"
-        time.sleep(0.01)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.communicate()
-    assert proc.returncode == -signal.SIGKILL
+    kill_after_first_chunk(args, path)
     with pytest.raises(FedfeatError, match="incomplete"):
         FeatureStore.open(path)
     r = run_cli(args)

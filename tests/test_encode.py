@@ -7,11 +7,8 @@ so they must agree to 1e-3 relative.
 
 import importlib.util
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +20,7 @@ from helpers_clip import (
     cli_argv,
     cli_error_text,
     have_main_cli,
+    kill_after_first_chunk,
     make_tiny_clip,
     max_rel_err,
     read_only_bind,
@@ -341,22 +339,7 @@ def test_killed_encode_resumes_to_identical_store(tc, c10, c10_store, tmp_path):
     out = tmp_path / "cache"
     args = enc_args("cifar10", c10.root, tc, out)
     path = out / "cifar10" / f"{TINY_NAME}-tiny.zarr"
-    proc = subprocess.Popen(
-        cli_argv() + [str(a) for a in args],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=subprocess_env(FEDFEAT_TEST_CHUNK_SLEEP="0.5"),
-    )
-    done = path / "train" / "done" / "c"
-    deadline = time.monotonic() + 60
-    while not (done.is_dir() and any(done.iterdir())):
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "encode never wrote a chunk"
-        time.sleep(0.01)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.communicate()
-    assert proc.returncode == -signal.SIGKILL
+    kill_after_first_chunk(args, path)
 
     with pytest.raises(FedfeatError, match="incomplete.*re-run the same `fedfeat encode`"):
         FeatureStore.open(path)
