@@ -4,7 +4,7 @@
 
 Setting: the synthetic CIFAR-10 store under RN50 (50,000 x 1,024; built if missing), Dirichlet alpha 0.1 over 100
 clients, 10 % and 100 % participation, the default kernel. Each method runs ``--rounds`` rounds with a checkpoint
-after every round (``fedfeat.checkpoint.save``: safetensors, fsync, rename -- exactly what ``fedfeat train`` does,
+after every round (``fedfeat.engine.checkpoint.save``: safetensors, fsync, rename -- exactly what ``fedfeat train`` does,
 into the run directory's file system, here under ``--dir``); the table gives the median round (training +
 evaluation, the checkpoint not included) and the median checkpoint, and the smallest ``--checkpoint-every`` that
 keeps the checkpoints at or under 5 % of the rounds' time.
@@ -27,10 +27,10 @@ from bench_engine import machine, write_table  # noqa: E402  (one description of
 
 
 def measure(store, method_name: str, clients: int, participation: float, rounds: int, where: Path) -> dict:
-    from fedfeat import checkpoint
-    from fedfeat.engine import load_run_data, run_federated
+    from fedfeat.engine import checkpoint
+    from fedfeat.engine.rounds import load_run_data, run_federated
     from fedfeat.methods import get_method
-    from fedfeat.report import store_partition
+    from fedfeat.report.stores import store_partition
 
     _, part = store_partition(store, scheme="dirichlet", clients=clients, alpha=0.1, save=False)
     data = load_run_data(store, part)
@@ -69,8 +69,8 @@ def main() -> None:
     )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "checkpoint.md"))
     args = ap.parse_args()
-    from fedfeat.store import FeatureStore, is_store
-    from fedfeat.synth import SynthParams, write_synthetic_store
+    from fedfeat.store.featurestore import FeatureStore, is_store
+    from fedfeat.store.synth import SynthParams, write_synthetic_store
 
     if not is_store(args.store):
         write_synthetic_store(args.store, SynthParams(), stats=False, log=lambda *a: None)

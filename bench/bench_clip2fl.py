@@ -46,8 +46,8 @@ SHAPES = {  # name: (classes, train per class, test per class, store, timed roun
 
 
 def store_for(shape: str):
-    from fedfeat.store import FeatureStore, is_store
-    from fedfeat.synth import SynthParams, write_synthetic_store
+    from fedfeat.store.featurestore import FeatureStore, is_store
+    from fedfeat.store.synth import SynthParams, write_synthetic_store
 
     K, n, nt, path, _, _ = SHAPES[shape]
     path = ROOT / path
@@ -58,9 +58,9 @@ def store_for(shape: str):
 
 
 def rounds_of(shape: str, engine: str, device: str) -> dict:
-    from fedfeat.engine import load_run_data, run_federated
+    from fedfeat.engine.rounds import load_run_data, run_federated
     from fedfeat.methods import get_method
-    from fedfeat.report import store_partition
+    from fedfeat.report.stores import store_partition
 
     st = store_for(shape)
     _, part = store_partition(

@@ -5,7 +5,7 @@ For each precision it measures, on the same device, batch size and model:
 - **forward**: ``ClipModel.encode_images`` of a freshly loaded model on a preprocessed random batch
   ``[B, 3, 224, 224]`` already in memory, over the same images in the same batches as ``encode`` (what the
   model alone can do). Both start cold (new model, no warm-up), so the ratio isolates the pipeline's cost;
-- **encode**: the image loop of ``fedfeat.encode.encode`` — reading the CIFAR pickles' rows, PIL decoding,
+- **encode**: the image loop of ``fedfeat.runs.encode.encode`` — reading the CIFAR pickles' rows, PIL decoding,
   the model's eval transform (32 -> 224 bicubic, centre crop, normalise), the forward pass, float16 chunk
   writes to the zarr store — over a CIFAR-10-format folder of random images (``stats["image_seconds"]``);
 - **ratio** = encode / forward throughput (1.0 = the pipeline costs nothing beyond the model);
@@ -147,9 +147,9 @@ def main(argv: list[str] | None = None) -> None:
     from rich.console import Console
     from safetensors.torch import save_file
 
-    from fedfeat import clipcompat
-    from fedfeat.encode import encode
+    from fedfeat.encoders import openclip as clipcompat
     from fedfeat.errors import FedfeatError
+    from fedfeat.runs.encode import encode
 
     oc = clipcompat.import_open_clip()
     dev = clipcompat.resolve_device(args.device)

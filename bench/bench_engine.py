@@ -117,10 +117,10 @@ def one(
     method: str, clients: int, participation: float, engine: str, rounds: int, store: str, device: str,
     kernel: str = "auto",
 ) -> dict:  # fmt: skip
-    from fedfeat.engine import load_run_data, run_federated
+    from fedfeat.engine.rounds import load_run_data, run_federated
     from fedfeat.methods import get_method
-    from fedfeat.report import store_partition
-    from fedfeat.store import FeatureStore
+    from fedfeat.report.stores import store_partition
+    from fedfeat.store.featurestore import FeatureStore
 
     st = FeatureStore.open(store)
     _, part = store_partition(st, scheme="iid", clients=clients, save=False)
@@ -151,7 +151,7 @@ def one(
     per_round_samples = sum(c[0] for c in timed) / len(timed)
     per_round_syn = sum(c[1] for c in timed) / len(timed)
     m_clients = max(1, int(participation * clients))
-    from fedfeat.engine import resolve_kernel
+    from fedfeat.engine.rounds import resolve_kernel
 
     return {
         "method": method,
@@ -169,8 +169,8 @@ def one(
 
 
 def run_all(args) -> None:
-    from fedfeat.store import is_store
-    from fedfeat.synth import write_synthetic_store
+    from fedfeat.store.featurestore import is_store
+    from fedfeat.store.synth import write_synthetic_store
 
     if not is_store(args.store):
         write_synthetic_store(args.store)
@@ -273,7 +273,7 @@ def write_md(args, ceil: dict, med: dict, rows: list[dict]) -> None:
         "against typical. `batched / floor` divides the median round by the best-ceilings floor: the strictest "
         "mix, a typical round against the host at its best. "
         "`kernel` is what `--kernel auto` (the default) chose, or the kernel forced with "
-        "`method:kernel`. `fused` (a compiled CPU kernel per local epoch, `fedfeat/kernels.py`) reads each sample "
+        "`method:kernel`. `fused` (a compiled CPU kernel per local epoch, `fedfeat/engine/kernels.py`) reads each sample "
         "once per step, as the floor assumes; what separates it from the strict floor is arithmetic rate: its "
         "per-client products have K = 10 outputs and run at roughly half the square-matmul rate per core. `torch` "
         "(the batched tensor program, the GPU path) moves each sample three times per step (gather into the "

@@ -29,7 +29,7 @@ from bench_engine import machine, write_table  # noqa: E402
 
 
 def _model(backbone: str | None, pretrained: str | None, device: str):
-    from fedfeat import clipcompat
+    from fedfeat.encoders import openclip as clipcompat
 
     if backbone is None:
         from helpers_clip import make_tiny_clip
@@ -51,8 +51,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "fedcopl.md"))
     args = ap.parse_args()
-    from fedfeat.store import normalize_pixels
-    from fedfeat.vpt import PromptedViT
+    from fedfeat.encoders.vpt import PromptedViT
+    from fedfeat.store.featurestore import normalize_pixels
 
     name, clip = _model(args.backbone, args.pretrained, args.device)
     dev = clip.device

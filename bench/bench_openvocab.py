@@ -27,10 +27,10 @@ from bench_engine import machine, write_table  # noqa: E402  (one description of
 
 def one(store: str, method: str, engine: str, rounds: int) -> list[float]:
     """Round times of one process (rounds 1..R; round 0 is the evaluation before training)."""
-    from fedfeat.engine import load_run_data, run_federated
+    from fedfeat.engine.rounds import load_run_data, run_federated
     from fedfeat.methods import get_method
-    from fedfeat.report import store_partition
-    from fedfeat.store import FeatureStore
+    from fedfeat.report.stores import store_partition
+    from fedfeat.store.featurestore import FeatureStore
 
     st = FeatureStore.open(store)
     _, part = store_partition(st, scheme="disjoint-classes", clients=10, shots=10, seed=0, save=False)
@@ -53,8 +53,8 @@ def main() -> None:
     if args.one:
         print(json.dumps(one(args.store, args.one[0], args.one[1], int(args.one[2]))))
         return
-    from fedfeat.store import is_store
-    from fedfeat.synth import PRESETS, write_synthetic_store
+    from fedfeat.store.featurestore import is_store
+    from fedfeat.store.synth import PRESETS, write_synthetic_store
 
     if not is_store(args.store):
         write_synthetic_store(args.store, PRESETS["caltech101-vitl14"], stats=False, log=lambda *a: None)

@@ -54,11 +54,11 @@ def one(store: str, engine: str, rounds: int) -> dict:
     """Round times and client steps of one process, and the tower-only ceiling of the same rounds."""
     import torch
 
-    from fedfeat.engine import load_run_data, make_plan, run_federated
-    from fedfeat.live import load_live_text
+    from fedfeat.encoders.live import load_live_text
+    from fedfeat.engine.rounds import load_run_data, make_plan, run_federated
     from fedfeat.methods import get_method
-    from fedfeat.partition import make_partition
-    from fedfeat.store import FeatureStore
+    from fedfeat.partition.schemes import make_partition
+    from fedfeat.store.featurestore import FeatureStore
 
     torch.manual_seed(0)
     st = FeatureStore.open(store)
@@ -72,7 +72,7 @@ def one(store: str, engine: str, rounds: int) -> dict:
     sizes = torch.diff(data.offsets)
     client_steps = int(((sizes + m.p.batch_size - 1) // m.p.batch_size).sum())
     # the ceiling: the tower's forward + backward over the active clients' prompts, step by step
-    from fedfeat.engine import build_context
+    from fedfeat.engine.rounds import build_context
 
     ctx = build_context(data, m, 0, torch.device("cpu"))
     plan = make_plan(ctx, 1, list(range(10)), m.p.batch_size, 1)
@@ -137,7 +137,7 @@ def main() -> None:
         "image features from the store). Both sit at the tower's own cost (round / ceiling ~1): on a CPU the "
         "batched program wins where one client's call is small (K = 10: 2.6x) and ties where a client's K = 100 "
         "prompts already fill the cores (the per-prompt work is the same; the prompts go through the tower in "
-        "cache-sized blocks, fedfeat.prompt.CPU_BLOCK). On a GPU, one launch per op for all clients is what pays.",
+        "cache-sized blocks, fedfeat.encoders.prompt.CPU_BLOCK). On a GPU, one launch per op for all clients is what pays.",
         "",
     ]
     write_table(Path(args.out), lines)

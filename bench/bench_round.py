@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "round.md"))
     args = ap.parse_args()
-    from fedfeat.store import is_store
+    from fedfeat.store.featurestore import is_store
 
     if not is_store(args.store):
         subprocess.run([sys.executable, "-m", "fedfeat", "synth", "--out", args.store], check=True, cwd=ROOT)
@@ -63,11 +63,11 @@ def main() -> None:
         print(lines[-1], flush=True)
     # a third design: ten runs stacked (fedfeat sweep's default for seeds and hyperparameter grids): one evaluation
     # product for the ten heads reads the test features once per round for all of them
-    from fedfeat.engine import load_run_data
+    from fedfeat.engine.rounds import load_run_data
     from fedfeat.methods import get_method
-    from fedfeat.partition import make_partition
-    from fedfeat.stack import run_stacked
-    from fedfeat.store import FeatureStore
+    from fedfeat.partition.schemes import make_partition
+    from fedfeat.runs.stack import run_stacked
+    from fedfeat.store.featurestore import FeatureStore
 
     st = FeatureStore.open(args.store)
     data = load_run_data(st, make_partition(st.labels("train"), "dirichlet", clients=100, alpha=0.1, seed=0))
@@ -95,7 +95,7 @@ def main() -> None:
         "samples. Every-round evaluation therefore stays above the 25 % goal at this shape; `--eval-every N` is the "
         "remedy for long runs (and `fedfeat reproduce` evaluates only at rounds 0 and last). The third design "
         "removes the floor's cause where a study has several runs: stacked runs (`fedfeat sweep`'s default, "
-        "`fedfeat.stack`) evaluate all their heads in one [R x 10, 1024] product, so the test features are read once "
+        "`fedfeat.runs.stack`) evaluate all their heads in one [R x 10, 1024] product, so the test features are read once "
         "per round for the R runs (at R x 10 rows the product is compute-bound, so it gets both threads), and each "
         "run's Python bookkeeping is shared too: 43 % instead of 59 %, still above the goal. The class argmax reads a "
         "contiguous copy of the logits (0.45 instead of 1.44 ms at 10,000 x 10, both engines).",

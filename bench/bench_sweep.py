@@ -8,7 +8,7 @@ alpha 0.1, 100 clients, 10 %, 10 rounds), seeds 0..9.
 
 * Whole commands (wall-clock, median of ``--repeats``): one ``train``; ten ``train`` processes; one ``sweep
   --no-stack`` (the runs one after another in one process: interpreter, kernels, store and partition shared); one
-  ``sweep`` (the ten runs stacked along a run axis, ``fedfeat.stack``).
+  ``sweep`` (the ten runs stacked along a run axis, ``fedfeat.runs.stack``).
 * In one process, the program alone (median of ``--repeats``, after a warm-up; data loaded once): one run
   (``engine.run_federated``), ten runs one by one, ten runs stacked (``stack.run_stacked``), with the fused CPU
   kernels and with the torch program (what a GPU runs).
@@ -38,11 +38,11 @@ def timed(cmds: list[list[str]]) -> float:
 
 def in_process(store: str, method: str, kernel: str, repeats: int) -> tuple[float, float, float]:
     """(one run, ten one by one, ten stacked) seconds of the program alone."""
-    from fedfeat.engine import load_run_data, run_federated
+    from fedfeat.engine.rounds import load_run_data, run_federated
     from fedfeat.methods import get_method
-    from fedfeat.partition import make_partition
-    from fedfeat.stack import run_stacked
-    from fedfeat.store import FeatureStore
+    from fedfeat.partition.schemes import make_partition
+    from fedfeat.runs.stack import run_stacked
+    from fedfeat.store.featurestore import FeatureStore
 
     st = FeatureStore.open(store)
     data = load_run_data(st, make_partition(st.labels("train"), "dirichlet", clients=100, alpha=0.1, seed=0))
@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "sweep.md"))
     args = ap.parse_args()
-    from fedfeat.store import is_store
+    from fedfeat.store.featurestore import is_store
 
     py = [sys.executable, "-m", "fedfeat"]
     if not is_store(args.store):

@@ -1,7 +1,7 @@
 """A Flower app on fedfeat's cached features: FedAvg of a linear head, one Flower client per fedfeat client.
 
 The cache is shared by both worlds: the ``ClientApp`` reads its client's rows of a fedfeat store (features encoded
-once by ``fedfeat encode``, or a ``fedfeat synth`` store) with ``fedfeat.flower.client_features``, for exactly the
+once by ``fedfeat encode``, or a ``fedfeat synth`` store) with ``fedfeat.integrations.flower.client_features``, for exactly the
 client of the same id in a fedfeat partition; the ``ServerApp`` starts the head from the store's class-prompt
 embeddings (round 0 = CLIP zero-shot) and evaluates it on the store's test split. No image is encoded here.
 
@@ -39,7 +39,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
 from fedfeat import open_store
-from fedfeat.flower import client_features, split_features, text_features
+from fedfeat.integrations.flower import client_features, split_features, text_features
 
 DEFAULTS = {"lr": 3e-4, "epochs": 2, "batch-size": 32, "fraction": 0.5, "rounds": 5, "seed": 0}
 
@@ -138,9 +138,9 @@ def simulate(argv: list[str] | None = None) -> None:
     """Partition the store (or take a given partition) and run both apps in Flower's simulation engine."""
     from flwr.simulation import run_simulation
 
-    from fedfeat.flower import load_partition
-    from fedfeat.partition import to_json
-    from fedfeat.report import store_partition
+    from fedfeat.integrations.flower import load_partition
+    from fedfeat.partition.schemes import to_json
+    from fedfeat.report.stores import store_partition
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--store", default="cache/synth-cifar10.zarr")

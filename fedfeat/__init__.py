@@ -15,8 +15,8 @@ __all__ = ["open_store", "train", "load_runs", "RunConfig", "__version__"]
 
 
 def open_store(path, mode: str = "r"):
-    """A feature store (``fedfeat.store.FeatureStore``), read-only by default."""
-    from fedfeat.store import FeatureStore
+    """A feature store (``fedfeat.store.featurestore.FeatureStore``), read-only by default."""
+    from fedfeat.store.featurestore import FeatureStore
 
     return FeatureStore.open(path, mode=mode)
 
@@ -28,8 +28,8 @@ def train(*, params: dict | None = None, overwrite: bool = False, progress: bool
     import json
     from pathlib import Path
 
-    from fedfeat.runs import resolve_config
-    from fedfeat.runs import train as _train
+    from fedfeat.runs.train import resolve_config
+    from fedfeat.runs.train import train as _train
 
     cfg = resolve_config(settings, None, [f"{k}={v}" for k, v in (params or {}).items()])
     path = _train(cfg, overwrite=overwrite, progress=progress, log=lambda *a: None)
@@ -37,15 +37,15 @@ def train(*, params: dict | None = None, overwrite: bool = False, progress: bool
 
 
 def load_runs(*paths, metrics: bool = False, as_frame: bool | None = None):
-    """Finished runs as records (a DataFrame when pandas is installed); see ``fedfeat.runs.load_runs``."""
-    from fedfeat.runs import load_runs as _load_runs
+    """Finished runs as records (a DataFrame when pandas is installed); see ``fedfeat.runs.train.load_runs``."""
+    from fedfeat.runs.train import load_runs as _load_runs
 
     return _load_runs(*paths, metrics=metrics, as_frame=as_frame)
 
 
 def __getattr__(name: str):
     if name == "RunConfig":
-        from fedfeat.runs import RunConfig
+        from fedfeat.runs.train import RunConfig
 
         return RunConfig
     raise AttributeError(f"module 'fedfeat' has no attribute {name!r}")

@@ -22,6 +22,7 @@ Usage::
 
     python scripts/check_identity.py                  # the move's base commit vs the working tree
     python scripts/check_identity.py --base HEAD~3    # any ref
+    python scripts/check_identity.py --head HEAD      # a commit instead of the working tree
     python scripts/check_identity.py --only fedavg,fst-cbdg --keep /tmp/ident
 """
 
@@ -63,19 +64,71 @@ RUNS: list[tuple[str, str, list[str]]] = [
     ("fst-cbdg-torch", "synth", ["--method", "fst-cbdg", "--kernel", "torch", *SYNTH]),
     ("creff", "synth", ["--method", "creff", *SYNTH, *SMALL_SYNTHESIS]),
     ("clip2fl", "synth", ["--method", "clip2fl", *SYNTH, *SMALL_SYNTHESIS]),
-    ("fedclip", "synth", ["--method", "fedclip", "--partition", "disjoint-classes", "--clients", "3", "--shots",
-                          "5", "--rounds", "2", "--participation", "1.0", "--seed", "3"]),  # fmt: skip
-    ("fed-mp", "synth", ["--method", "fed-mp", "--partition", "disjoint-classes", "--clients", "3", "--shots", "5",
-                         "--rounds", "2", "--participation", "1.0", "--seed", "3"]),  # fmt: skip
+    (
+        "fedclip",
+        "synth",
+        [
+            "--method",
+            "fedclip",
+            "--partition",
+            "disjoint-classes",
+            "--clients",
+            "3",
+            "--shots",
+            "5",
+            "--rounds",
+            "2",
+            "--participation",
+            "1.0",
+            "--seed",
+            "3",
+        ],
+    ),  # fmt: skip
+    (
+        "fed-mp",
+        "synth",
+        [
+            "--method",
+            "fed-mp",
+            "--partition",
+            "disjoint-classes",
+            "--clients",
+            "3",
+            "--shots",
+            "5",
+            "--rounds",
+            "2",
+            "--participation",
+            "1.0",
+            "--seed",
+            "3",
+        ],
+    ),  # fmt: skip
     ("copl-linear", "synth", ["--method", "copl-linear", *SYNTH]),
     ("promptfl", "clip", ["--method", "promptfl", *CLIP, *PROMPT]),
     ("fedtpg", "clip", ["--method", "fedtpg", *CLIP, "--set", "batch_size=8"]),
-    ("fedcopl", "clip-px", ["--method", "fedcopl", *CLIP, "--set", "batch_size=8", "--set", "n_ctx=2", "--set",
-                            "pseudo=fpl", "--set", "pseudo_k=4"]),  # fmt: skip
+    (
+        "fedcopl",
+        "clip-px",
+        [
+            "--method",
+            "fedcopl",
+            *CLIP,
+            "--set",
+            "batch_size=8",
+            "--set",
+            "n_ctx=2",
+            "--set",
+            "pseudo=fpl",
+            "--set",
+            "pseudo_k=4",
+        ],
+    ),  # fmt: skip
 ]
 # one stacked sweep (one process, runs stacked along a run axis): names are derived by fedfeat
 SWEEP = ["--method", "fedavg,fst-cbdg", "--seed", "0-1", "--clients", "10", "--participation", "0.5", "--rounds",
          "2", "--partition", "shard"]  # fmt: skip
+
 
 def _is_timing(key: str) -> bool:
     return key == "seconds" or key.endswith("_seconds") or key.startswith(("seconds_", "sec_"))
@@ -153,7 +206,9 @@ def run_all(tree: Path, work: Path, stores: dict, runs: list, sweep: bool) -> di
         if r.returncode:
             failed[name] = (r.stderr.strip().splitlines() or ["?"])[-1]
     if sweep:
-        r = fedfeat(tree, work, ["sweep", *SWEEP, "--store", stores["synth"], "--out", "runs/sweep", "--quiet"])
+        r = fedfeat(
+            tree, work, ["sweep", *SWEEP, "--store", stores["synth"], "--out", "runs/sweep", "--quiet"]
+        )
         print(f"  {'sweep':<16} {'ok' if r.returncode == 0 else 'FAILED'}", flush=True)
         if r.returncode:
             failed["sweep"] = (r.stderr.strip().splitlines() or ["?"])[-1]
@@ -188,6 +243,7 @@ def compare(a: Path, b: Path) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default=BASE, help=f"git ref of the code to compare against (default {BASE})")
+    ap.add_argument("--head", default="", help="git ref to check (default: the working tree)")
     ap.add_argument("--only", default="", help="comma-separated run names (default: all, and the sweep)")
     ap.add_argument("--keep", default="", help="work directory to keep (default: a temporary one, removed)")
     a = ap.parse_args()
@@ -199,10 +255,11 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     try:
         base = export_tree(a.base, work / "base-tree")
+        head = export_tree(a.head, work / "head-tree") if a.head else ROOT
         print(f"stores in {work}/stores", flush=True)
         stores = make_stores(work, need_clip=any(s.startswith("clip") for _, s, _ in runs))
         results = {}
-        for label, tree in (("base " + a.base, base), ("working tree", ROOT)):
+        for label, tree in (("base " + a.base, base), (a.head or "working tree", head)):
             print(f"{label}:", flush=True)
             failed = run_all(tree, work, stores, runs, sweep)
             if failed:

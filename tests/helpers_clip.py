@@ -4,7 +4,7 @@ Nothing here downloads anything. The tiny model (a ViT of width 64, 2 layers, 32
 built with random weights and saved to a file, which the tests pass as ``--pretrained FILE``.
 
 Run as a script (``python tests/helpers_clip.py encode ...``), this module stands in for ``python -m fedfeat``
-while ``fedfeat/cli.py`` does not exist yet.
+while ``fedfeat/cli/app.py`` does not exist yet.
 """
 
 from __future__ import annotations
@@ -46,27 +46,9 @@ CIFAR10_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog",
 
 
 # ---------------------------------------------------------------------------------------- CLI access
-def have_main_cli() -> bool:
-    return (REPO / "fedfeat" / "cli.py").is_file()
-
-
 def cli_app():
-    """``fedfeat.cli.app`` when it exists, else a local app with ``encode`` registered (plus a dummy command,
-    since a one-command typer app would run it without its name)."""
-    if have_main_cli():
-        from fedfeat.cli import app
-
-        return app
-    import typer
-
-    from fedfeat.cli_encode import register
-
-    app = typer.Typer()
-    register(app)
-
-    @app.command("noop")
-    def _noop() -> None:
-        """placeholder"""
+    """The ``fedfeat`` typer app."""
+    from fedfeat.cli import app
 
     return app
 
@@ -79,21 +61,14 @@ def run_cli(args: list[str]):
 
 
 def cli_error_text(result) -> str:
-    """The user-facing error of a failed CLI run: the main app prints one line and exits 2; the stand-in app
-    lets the ``FedfeatError`` escape into ``result.exception``."""
-    from fedfeat.errors import FedfeatError
-
-    if isinstance(result.exception, FedfeatError):
-        return str(result.exception)
+    """The user-facing error of a failed CLI run: one line, exit status 2."""
     assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
     return result.output
 
 
 def cli_argv() -> list[str]:
-    """argv prefix that runs the CLI in a fresh interpreter (``python -m fedfeat`` once it exists)."""
-    if have_main_cli():
-        return [sys.executable, "-m", "fedfeat"]
-    return [sys.executable, str(Path(__file__).resolve())]
+    """argv prefix that runs the CLI in a fresh interpreter."""
+    return [sys.executable, "-m", "fedfeat"]
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
@@ -187,7 +162,7 @@ def make_tiny_clip(d: Path) -> TinyClip:
     import torch
     from safetensors.torch import save_file
 
-    from fedfeat.clipcompat import import_open_clip
+    from fedfeat.encoders.openclip import import_open_clip
 
     oc = import_open_clip()
     d.mkdir(parents=True, exist_ok=True)
@@ -206,7 +181,7 @@ def make_tiny_clip(d: Path) -> TinyClip:
 
 def reference_model(tc: TinyClip):
     """(model, eval transform, tokenizer) built by open_clip itself from the saved weights."""
-    from fedfeat.clipcompat import import_open_clip
+    from fedfeat.encoders.openclip import import_open_clip
 
     oc = import_open_clip()
     oc.add_model_config(tc.config)
@@ -456,8 +431,3 @@ def store_snapshot(path: Path, ignore_attrs=("created_at",)) -> dict:
 
     walk(g)
     return snap
-
-
-if __name__ == "__main__":  # stand-in for `python -m fedfeat` (and torchrun) until fedfeat/cli.py exists
-    sys.path.insert(0, str(REPO))
-    cli_app()(prog_name="fedfeat")

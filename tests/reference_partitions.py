@@ -2,7 +2,7 @@
 
 Each function below makes the same random calls, on the same *global* generators (``np.random`` and
 ``random``), in the same order, on the same data structures (python lists where the reference uses lists)
-as the function it stands for, so that ``fedfeat.partition`` can be checked against it bit for bit. They
+as the function it stands for, so that ``fedfeat.partition.schemes`` can be checked against it bit for bit. They
 are written plainly, without any of fedfeat's vectorisation, and do nothing but what the reference does
 (no input checks; printing left out).
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from helpers_clip import TINY_CFG, make_tiny_clip, run_cli, write_cifar10
 
-from fedfeat import clipcompat
+from fedfeat.encoders import openclip as clipcompat
 from fedfeat.errors import FedfeatError
-from fedfeat.store import FeatureStore
+from fedfeat.store.featurestore import FeatureStore
 
 REV = "0123456789abcdef0123456789abcdef01234567"
 OPENAI_PP = {"mean": [0.48145466, 0.4578275, 0.40821073], "std": [0.26862954, 0.26130258, 0.27577711]}
@@ -111,7 +111,7 @@ def test_hf_hub_backbone_from_the_cache_offline(hub, c10, reference, tmp_path):
 
     # the live text encoder is rebuilt from the store, also when the recorded weights path is gone (another
     # machine): the repo's file is found in this machine's cache
-    from fedfeat.live import load_live_text
+    from fedfeat.encoders.live import load_live_text
 
     assert load_live_text(st).min_cosine >= 0.999
     FeatureStore.open(st.path, mode="r+").update_attrs(weights_file=str(tmp_path / "gone.safetensors"))

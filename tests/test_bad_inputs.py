@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from fedfeat.cli import app
+from fedfeat.cli.app import app
 
 REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -231,7 +231,7 @@ def _nan_store(w: Workspace, what: str) -> Path:
     recomputed to match, and a ``finite`` record is dropped, so that only the values are wrong."""
     import zarr
 
-    from fedfeat import store as S
+    from fedfeat.store import featurestore as S
 
     path = w.store()
     g = zarr.open_group(str(path), mode="r+")

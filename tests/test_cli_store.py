@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from fedfeat.cli import app
-from fedfeat.store import FeatureStore
+from fedfeat.cli.app import app
+from fedfeat.store.featurestore import FeatureStore
 
 runner = CliRunner()
 

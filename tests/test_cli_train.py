@@ -5,7 +5,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from fedfeat.cli import app
+from fedfeat.cli.app import app
 
 runner = CliRunner()
 

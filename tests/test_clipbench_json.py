@@ -1,4 +1,4 @@
-"""``fedfeat train --method zeroshot`` writes CLIP_benchmark's result JSON (``fedfeat.clipbench``).
+"""``fedfeat train --method zeroshot`` writes CLIP_benchmark's result JSON (``fedfeat.report.clipbench``).
 
 The schema is CLIP_benchmark's (LAION-AI/CLIP_benchmark @ 48de38c): ``clip_benchmark/cli.py`` ``main_eval`` dumps
 ``{"dataset", "model", "pretrained", "task", "metrics", "language"}`` to ``{dataset}_{pretrained}_{model}_{language}_
@@ -16,10 +16,10 @@ import pytest
 from typer.testing import CliRunner
 
 import fedfeat
-from fedfeat import clipbench
-from fedfeat.cli import app
-from fedfeat.store import FeatureStore
-from fedfeat.synth import SynthParams, write_synthetic_store
+from fedfeat.cli.app import app
+from fedfeat.report import clipbench
+from fedfeat.store.featurestore import FeatureStore
+from fedfeat.store.synth import SynthParams, write_synthetic_store
 
 # CLIP_benchmark's dump (cli.py main_eval) and its zero-shot classification metrics (single-label datasets)
 CLIPBENCH_KEYS = {

@@ -1,4 +1,4 @@
-"""FedCoPL's cooperative pseudo-labelling (``fedfeat.copl``) on a hand example: 3 clients, 3 classes, 14 samples.
+"""FedCoPL's cooperative pseudo-labelling (``fedfeat.methods.copl``) on a hand example: 3 clients, 3 classes, 14 samples.
 The median filters (with ties at the median, to show the strict inequalities), the uploaded counts, the server's
 budget (``M``, the proportional quotas, the fallback for a class nobody kept), the per-client selection, ``CoPL``
 end to end, a line-by-line loop port of the reference code on random data, and bad inputs."""
@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from fedfeat import copl
 from fedfeat.errors import FedfeatError
-from fedfeat.pseudolabel import Selection
+from fedfeat.methods import copl
+from fedfeat.methods.pseudolabel import Selection
 
 # entropies (nats) in the comments: -Σ p ln p
 P = torch.tensor(

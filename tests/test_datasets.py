@@ -15,9 +15,9 @@ from helpers_clip import (
 )
 from PIL import Image
 
-from fedfeat.datasets import UnreadableImage, open_dataset, restricted_load
+from fedfeat.data.files import UnreadableImage, open_dataset, restricted_load
+from fedfeat.data.templates import CIFAR_TEMPLATES, IMAGENET_TEMPLATES, fill, resolve_templates
 from fedfeat.errors import FedfeatError
-from fedfeat.templates import CIFAR_TEMPLATES, IMAGENET_TEMPLATES, fill, resolve_templates
 
 
 # ---------------------------------------------------------------------------------------- CIFAR
@@ -192,7 +192,7 @@ def test_fingerprint_sees_a_same_size_edit_and_caches_hashes_by_size_and_mtime(t
     come from the cache (keyed by size and mtime_ns); an edited file is hashed again."""
     import os
 
-    from fedfeat import datasets as D
+    from fedfeat.data import files as D
 
     monkeypatch.setenv("FEDFEAT_CACHE_DIR", str(tmp_path / "cache"))
     fx = write_cifar10(tmp_path / "c")
@@ -228,7 +228,7 @@ def test_template_sets():
 
 
 def test_imagenet_templates_match_open_clip():
-    from fedfeat.clipcompat import import_open_clip
+    from fedfeat.encoders.openclip import import_open_clip
 
     oc = import_open_clip()
     assert [t("{}") for t in oc.OPENAI_IMAGENET_TEMPLATES] == list(IMAGENET_TEMPLATES)

@@ -1,4 +1,4 @@
-"""``encode --dataset hf:...`` and ``wds:...`` (fedfeat.datasets_hf) on fixtures written here, never downloaded.
+"""``encode --dataset hf:...`` and ``wds:...`` (fedfeat.data.hf) on fixtures written here, never downloaded.
 
 The same images are written as an ImageFolder tree, as a Hugging Face ``DatasetDict`` saved with
 ``save_to_disk`` (image bytes embedded, ``ClassLabel`` names) and as webdataset tar shards in CLIP_benchmark's
@@ -22,9 +22,9 @@ from helpers_clip import (
     write_imagefolder,
 )
 
-from fedfeat.datasets import open_dataset
+from fedfeat.data.files import open_dataset
 from fedfeat.errors import FedfeatError
-from fedfeat.store import FeatureStore
+from fedfeat.store.featurestore import FeatureStore
 
 datasets = pytest.importorskip("datasets")
 wds = pytest.importorskip("webdataset")
@@ -241,7 +241,7 @@ def test_hf_local_cache_is_read_offline(folder, tmp_path, monkeypatch):
     assert [n for n, _ in ds.files()] == sorted(["pets-train.arrow", "pets-validation.arrow", *ext])
     rows, other = ds.rows_of_files({ext[3]})
     assert other == set() and list(rows) == ["test"] and rows["test"].tolist() == [3]
-    from fedfeat.datasets_hf import default_store_name
+    from fedfeat.data.hf import default_store_name
 
     assert default_store_name("hf:tiny/pets:default", tmp_path) == "pets-default"
     t = time.monotonic()

@@ -5,7 +5,6 @@ file, its eval transform, PIL images), independently of fedfeat's reader and enc
 so they must agree to 1e-3 relative.
 """
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -19,7 +18,6 @@ from helpers_clip import (
     TINY_NAME,
     cli_argv,
     cli_error_text,
-    have_main_cli,
     kill_after_first_chunk,
     make_tiny_clip,
     max_rel_err,
@@ -39,12 +37,9 @@ from helpers_clip import (
     write_listfile,
 )
 
-from fedfeat import clipcompat
+from fedfeat.encoders import openclip as clipcompat
 from fedfeat.errors import FedfeatError
-from fedfeat.store import FeatureStore
-
-HAVE_TRAIN = have_main_cli() and importlib.util.find_spec("fedfeat.methods") is not None
-needs_train = pytest.mark.skipif(not HAVE_TRAIN, reason="`fedfeat train` (fedfeat.methods) not there yet")
+from fedfeat.store.featurestore import FeatureStore
 
 
 @pytest.fixture(scope="module")
@@ -351,7 +346,6 @@ def test_killed_encode_resumes_to_identical_store(tc, c10, c10_store, tmp_path):
     assert store_snapshot(path) == store_snapshot(c10_store)
 
 
-@needs_train
 def test_train_refuses_incomplete_then_trains_zeroshot(tc, c10, c10_store, tmp_path):
     """`fedfeat train` refuses an unfinished store with one line, and trains zero-shot on a finished one
     (copies: training stores a partition, and the reference store must stay as encode left it)."""
@@ -373,7 +367,7 @@ def test_torchrun_two_gloo_ranks_match_one_process(tc, c10, c10_store, tmp_path)
     """torchrun --nproc-per-node 2 (gloo on CPU): ranks split the chunks; same store as one process."""
     out = tmp_path / "cache"
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    target = ["-m", "fedfeat"] if have_main_cli() else [cli_argv()[-1]]
+    target = ["-m", "fedfeat"]
     proc = subprocess.run(
         launcher + target + [str(a) for a in enc_args("cifar10", c10.root, tc, out)],
         cwd=REPO,

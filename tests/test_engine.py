@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from fedfeat.engine import Batch, LabelAccessError, load_run_data, run_federated, sample_clients
+from fedfeat.engine.optim import BatchedSGD
+from fedfeat.engine.rounds import Batch, LabelAccessError, load_run_data, run_federated, sample_clients
 from fedfeat.methods import get_method
 from fedfeat.methods.base import REGISTRY
 from fedfeat.methods.fst_cbdg import balanced_counts, soft_label_update
 from fedfeat.methods.linear import ntd_loss
-from fedfeat.optim import BatchedSGD
-from fedfeat.partition import make_partition
-from fedfeat.synth import SynthParams, write_synthetic_store
+from fedfeat.partition.schemes import make_partition
+from fedfeat.store.synth import SynthParams, write_synthetic_store
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_fused_kernel_hand_step():
     """One client, one step of two samples, K = D = 2, W = 0, b = 0, lr 0.1, no momentum / decay:
     x = (1, 0) label 0 and x = (0, 1) label 1; softmax(0) = (1/2, 1/2), so the mean logit gradients are
     (-1/4, 1/4) and (1/4, -1/4): gW = [[-1/4, 1/4], [1/4, -1/4]], gb = 0; W = -0.1 gW; loss = log 2."""
-    from fedfeat import kernels
+    from fedfeat.engine import kernels
 
     feats = np.eye(2, dtype=np.float32)
     labels = np.array([0, 1])
@@ -113,7 +113,7 @@ def test_fused_kernel_equals_numpy_sgd_for_every_block_shape(K):
     """The fused kernel against a plain numpy SGD in float64, on clients whose steps end in blocks of 1, 2 and 3
     samples (batch 6 = a block of four + a pair; last batches of 1..5) and an odd number of classes (the kernels'
     paired rows then pair the last row with itself), D = 13 (not a multiple of the vector width)."""
-    from fedfeat import kernels
+    from fedfeat.engine import kernels
 
     rs = np.random.default_rng(7)
     D, B, lr, mom, wd, scale = 13, 6, 0.3, 0.9, 1e-3, 2.0
@@ -150,7 +150,7 @@ def test_fused_kernel_equals_numpy_sgd_for_every_block_shape(K):
 
 
 def test_kernel_choice(small):
-    from fedfeat.engine import resolve_kernel
+    from fedfeat.engine.rounds import resolve_kernel
     from fedfeat.errors import FedfeatError
 
     cpu = torch.device("cpu")
@@ -270,7 +270,7 @@ def test_label_free_methods_cannot_read_labels(small):
             cls, "needs_live_text", False
         ):  # (live ones: test_prompt, fedcopl)
             m = get_method(name)
-            from fedfeat.engine import build_context
+            from fedfeat.engine.rounds import build_context
 
             assert build_context(data, m, 0, torch.device("cpu")).labels is None, name
     b = Batch(
@@ -329,10 +329,10 @@ def test_unknown_method_and_key():
 def test_stream_keys_are_the_tensor_hash():
     """``stream_key`` hashes python ints without tensors; it must stay bit for bit the int64 tensor hash
     (every shuffle and draw of every run depends on it): pinned values and a check against ``_mix``."""
-    from fedfeat import rng
+    from fedfeat.engine import rng
 
     assert rng.stream_key(0, 1, 2, 3) == 1901318328662684678
-    from fedfeat import kernels  # the fused kernels hash sample positions themselves: the same keys
+    from fedfeat.engine import kernels  # the fused kernels hash sample positions themselves: the same keys
 
     pos = torch.tensor([0, 1, 7, 49_999, 2**40 + 3])
     key = rng.stream_key(5, 6, 0, rng.TAG_SHUFFLE)
@@ -363,7 +363,7 @@ def test_fst_noise_bank_rows_do_not_depend_on_how_many_are_drawn(D):
 
 
 def test_kernel_exp_and_argmax_counts():
-    from fedfeat import kernels
+    from fedfeat.engine import kernels
 
     @kernels.nb.njit
     def vexp(x, out):
@@ -386,7 +386,7 @@ def test_kernel_exp_and_argmax_counts():
 def test_kernel_stable_argsort_keeps_ties_in_index_order():
     """The fused kernels' shuffles and synthetic orders must equal the torch path's stable sorts exactly,
     also in the (astronomically rare) case of equal keys."""
-    from fedfeat import kernels
+    from fedfeat.engine import kernels
 
     rs = np.random.default_rng(3)
     for n, hi in ((1, 5), (7, 3), (500, 40), (500, 2**62), (1000, 2)):

@@ -10,11 +10,11 @@ import pytest
 import torch
 from helpers_clip import TINY_NAME, cli_error_text, make_tiny_clip, run_cli, write_cifar10
 
-from fedfeat.engine import load_run_data, run_federated
-from fedfeat.live import load_live_text
+from fedfeat.encoders.live import load_live_text
+from fedfeat.engine.rounds import load_run_data, run_federated
 from fedfeat.methods import get_method
-from fedfeat.partition import make_partition
-from fedfeat.store import FeatureStore
+from fedfeat.partition.schemes import make_partition
+from fedfeat.store.featurestore import FeatureStore
 
 FAST = {
     "pseudo": "fpl",
@@ -207,8 +207,8 @@ def test_copl_linear_batched_equals_loop_and_fused_equals_torch(synth_store, pse
         for k in gb:
             torch.testing.assert_close(gb[k], g[k], atol=1e-5, rtol=1e-5)
     assert [r.get("pseudo_label_acc") for r in mb] == [r.get("pseudo_label_acc") for r in ml]
-    from fedfeat.copl import CoPL
-    from fedfeat.pseudolabel import fpl_select
+    from fedfeat.methods.copl import CoPL
+    from fedfeat.methods.pseudolabel import fpl_select
 
     text = torch.nn.functional.normalize(data.text_all[0], dim=-1)
     probs = torch.softmax(

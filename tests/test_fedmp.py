@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedfeat.engine import Context, RoundPlan, RunData, build_context, make_plan, run_federated
+from fedfeat.engine.optim import BatchedAdam
+from fedfeat.engine.rounds import Context, RoundPlan, RunData, build_context, make_plan, run_federated
 from fedfeat.errors import FedfeatError
 from fedfeat.methods import get_method
 from fedfeat.methods.fedmp import ADAPTER, adapter_init, clip_loss, entropy, prototype_stream, xi_weights
-from fedfeat.openvocab import OpenVocab
-from fedfeat.optim import BatchedAdam
+from fedfeat.partition.openvocab import OpenVocab
 
 
 def test_xi_weights_hand_example():
@@ -272,7 +272,7 @@ def test_query_order_is_seeded_per_round_and_does_not_leak():
 
 def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(tmp_path):
     """Round 2 resumed from round 1's checkpoint (its query order comes from the checkpointed round)."""
-    from fedfeat import checkpoint
+    from fedfeat.engine import checkpoint
 
     sets = FAST | {"uncertainty": "1"}
     saved = []

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from fedfeat.engine import RoundPlan, build_context, load_run_data, make_plan, run_federated
+from fedfeat.engine.rounds import RoundPlan, build_context, load_run_data, make_plan, run_federated
 from fedfeat.methods import get_method
 from fedfeat.methods.fst_cbdg import balanced_counts
-from fedfeat.partition import Partition, make_partition
-from fedfeat.synth import SynthParams, write_synthetic_store
+from fedfeat.partition.schemes import Partition, make_partition
+from fedfeat.store.synth import SynthParams, write_synthetic_store
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Flower adapter (``fedfeat.flower``): the flwr-datasets partitioner returns exactly fedfeat's exported clients,
+"""Flower adapter (``fedfeat.integrations.flower``): the flwr-datasets partitioner returns exactly fedfeat's exported clients,
 and ``client_features`` a client's cached rows. The example app (``examples/flower_app.py``) is compiled here and
 imported where flwr is installed."""
 
@@ -13,11 +13,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from fedfeat import flower
-from fedfeat.cli import app
+from fedfeat.cli.app import app
 from fedfeat.errors import FedfeatError
-from fedfeat.store import FeatureStore
-from fedfeat.synth import SynthParams, write_synthetic_store
+from fedfeat.integrations import flower
+from fedfeat.store.featurestore import FeatureStore
+from fedfeat.store.synth import SynthParams, write_synthetic_store
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "flower_app.py"
 QUIET = lambda *_: None  # noqa: E731
@@ -54,7 +54,7 @@ def test_partitioner_returns_exactly_the_exported_clients(made):
     pytest.importorskip("flwr_datasets")
     from flwr_datasets.partitioner import Partitioner
 
-    from fedfeat.flower import FedfeatPartitioner
+    from fedfeat.integrations.flower import FedfeatPartitioner
 
     path, key, export, clients = made
     ds = _hf_dataset(path)
@@ -75,7 +75,7 @@ def test_partitioner_returns_exactly_the_exported_clients(made):
 
 def test_partitioner_refuses_a_dataset_that_is_not_the_stores_split(made):
     pytest.importorskip("flwr_datasets")
-    from fedfeat.flower import FedfeatPartitioner
+    from fedfeat.integrations.flower import FedfeatPartitioner
 
     path, key, _, clients = made
     ds = _hf_dataset(path)
@@ -99,8 +99,8 @@ def test_partitioner_refuses_a_dataset_that_is_not_the_stores_split(made):
 
 def test_dirichlet_joint_local_test_clients(made, tmp_path):
     pytest.importorskip("flwr_datasets")
-    from fedfeat.flower import FedfeatPartitioner
-    from fedfeat.partition import make_partition
+    from fedfeat.integrations.flower import FedfeatPartitioner
+    from fedfeat.partition.schemes import make_partition
 
     path = made[0]
     st = FeatureStore.open(path)

@@ -15,8 +15,8 @@ from helpers_clip import make_tiny_clip, run_cli, store_snapshot, write_cifar10
 
 import fedfeat
 from fedfeat.errors import FedfeatError
-from fedfeat.store import FeatureStore, StoreLock, copy_store, is_store, store_location
-from fedfeat.synth import SynthParams, write_synthetic_store
+from fedfeat.store.featurestore import FeatureStore, StoreLock, copy_store, is_store, store_location
+from fedfeat.store.synth import SynthParams, write_synthetic_store
 
 MEM = fsspec.filesystem("memory")
 SMALL = [

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from fedfeat import engine
-from fedfeat.engine import load_run_data, run_federated
+from fedfeat.engine import rounds as engine
+from fedfeat.engine.rounds import load_run_data, run_federated
 from fedfeat.methods import get_method
-from fedfeat.partition import make_partition
-from fedfeat.synth import SynthParams, write_synthetic_store
+from fedfeat.partition.schemes import make_partition
+from fedfeat.store.synth import SynthParams, write_synthetic_store
 
 RUNS = (("loop", "torch"), ("batched", "torch"), ("batched", "fused"))
 TIGHT64 = 1e-10  # float64: every kernel against the loop (measured ~1e-15)
@@ -145,7 +145,7 @@ def test_fused_and_torch_agree_on_non_finite_features(mid, monkeypatch, name, va
 def test_fused_kernel_keeps_nan_in_its_own_client():
     """At the kernel's level: a NaN feature makes its client's head NaN and leaves the other clients' heads
     finite and unchanged (each client is computed on its own)."""
-    from fedfeat import kernels
+    from fedfeat.engine import kernels
 
     rs = np.random.default_rng(0)
     K, D, sizes = 3, 8, np.array([5, 6, 7])

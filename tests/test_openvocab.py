@@ -8,9 +8,9 @@ import reference_partitions as ref
 import torch
 from typer.testing import CliRunner
 
-from fedfeat import openvocab as ov
-from fedfeat import partition as P
-from fedfeat.cli import app
+from fedfeat.cli.app import app
+from fedfeat.partition import openvocab as ov
+from fedfeat.partition import schemes as P
 
 runner = CliRunner()
 
@@ -73,7 +73,7 @@ def store(tmp_path_factory):
 def test_zeroshot_is_evaluated_over_the_novel_vocabulary(store, tmp_path):
     """22 classes, 3 clients: 5 classes each, 7 novel. The recorded accuracy is the argmax over the novel
     classes' prompts of the novel query images (here all 10 test images of each novel class: --query-val code)."""
-    from fedfeat.store import FeatureStore
+    from fedfeat.store.featurestore import FeatureStore
 
     r = runner.invoke(
         app,
@@ -108,7 +108,7 @@ def test_zeroshot_is_evaluated_over_the_novel_vocabulary(store, tmp_path):
 def test_preset_checks_the_class_count(store, tmp_path):
     r = runner.invoke(app, ["train", "--store", str(store), "--preset", "caltech101", "--out", str(tmp_path)])
     assert r.exit_code == 2 and "102 classes" in r.output and "22" in r.output
-    cfg = __import__("fedfeat.runs", fromlist=["x"]).resolve_config({"preset": "ucf101"}, None, None)
+    cfg = __import__("fedfeat.runs.train", fromlist=["x"]).resolve_config({"preset": "ucf101"}, None, None)
     assert (cfg.partition, cfg.shots, cfg.clients, cfg.rounds, cfg.partition_seed) == (
         "disjoint-classes",
         10,

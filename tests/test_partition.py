@@ -1,4 +1,4 @@
-"""fedfeat.partition: bit-for-bit agreement with the reference codes, and the numbers they are known for.
+"""fedfeat.partition.schemes: bit-for-bit agreement with the reference codes, and the numbers they are known for.
 
 The oracle (``reference_partitions``) runs the reference algorithms on the *global* numpy / python
 generators, seeded the way the reference codes seed them; fedfeat uses private generators. Equal
@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from fedfeat import partition as P
 from fedfeat.errors import FedfeatError
+from fedfeat.partition import schemes as P
 
 try:
     from tests import reference_partitions as ref

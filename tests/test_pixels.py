@@ -11,7 +11,7 @@ from helpers_clip import make_tiny_clip, reference_model, run_cli, write_imagefo
 from PIL import Image
 
 from fedfeat.errors import FedfeatError
-from fedfeat.store import FeatureStore, normalize_pixels
+from fedfeat.store.featurestore import FeatureStore, normalize_pixels
 
 
 @pytest.fixture(scope="module")

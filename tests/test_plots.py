@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedfeat import plots
 from fedfeat.errors import FedfeatError
+from fedfeat.report import plots
 
 ROUNDS = [1, 2, 3]
 A = [[10.0, 20.0, 30.0], [12.0, 22.0, 35.0], [14.0, 27.0, 31.0]]

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 import fedfeat.methods as M
-from fedfeat.cli import app
+from fedfeat.cli.app import app
 from fedfeat.errors import FedfeatError
 
 

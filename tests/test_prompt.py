@@ -1,4 +1,4 @@
-"""Prompt learning through the live text encoder (``fedfeat.prompt``, ``fedfeat.live``, ``promptfl``, ``fedtpg``) on the
+"""Prompt learning through the live text encoder (``fedfeat.encoders.prompt``, ``fedfeat.encoders.live``, ``promptfl``, ``fedtpg``) on the
 tiny open_clip model: the learner against open_clip's own ``encode_text``, frozen encoder weights, batched vs loop
 engines, the store fingerprint check and its one-line errors, and ``fedfeat train`` end to end."""
 
@@ -20,13 +20,13 @@ from helpers_clip import (
     write_cifar10,
 )
 
-from fedfeat.engine import load_run_data, run_federated
+from fedfeat.encoders.live import load_live_text
+from fedfeat.encoders.prompt import PromptLearner, TextTower
+from fedfeat.engine.rounds import load_run_data, run_federated
 from fedfeat.errors import FedfeatError
-from fedfeat.live import load_live_text
 from fedfeat.methods import get_method
-from fedfeat.partition import make_partition
-from fedfeat.prompt import PromptLearner, TextTower
-from fedfeat.store import FeatureStore
+from fedfeat.partition.schemes import make_partition
+from fedfeat.store.featurestore import FeatureStore
 
 NAMES = ["cat", "dog", "sea lion", "aquarium fish", "great white shark"]
 
@@ -210,7 +210,7 @@ def test_live_encoder_fingerprint_check_refuses_other_weights(tc, store, tmp_pat
     st = FeatureStore.open(store)
     with pytest.raises(FedfeatError, match="is not the one store .* was encoded with .*sha256"):
         load_live_text(st, pretrained=str(other))
-    from fedfeat import live as live_mod
+    from fedfeat.encoders import live as live_mod
 
     with pytest.raises(FedfeatError, match=r"does not reproduce store .*cosine -?0\.\d+ < 0.999"):
         model, _, tok = reference_model(type(tc)(tc.config, other, tc.weights_pt))
@@ -233,7 +233,7 @@ def test_moved_checkpoint_and_missing_tag_give_encode_style_errors(tc, store, tm
     # a store of a tag whose weights are not cached: exactly encode's error (HF_HUB_OFFLINE is set in tests)
     meta["attributes"]["backbone"] = "RN50"
     meta["attributes"]["backbone_config"] = None
-    from fedfeat import clipcompat
+    from fedfeat.encoders import openclip as clipcompat
 
     bb = clipcompat.resolve_backbone("RN50")
     meta["attributes"]["fingerprint"]["backbone"] = {"name": "RN50", "config_sha256": bb.config_sha256}
@@ -382,7 +382,7 @@ def test_fedtpg_generator_equals_the_reference_modules(W, D, depth):
 
 
 def test_cpu_blocks_give_the_one_batch_result_and_gradient(tower, monkeypatch):
-    import fedfeat.prompt as prompt_mod
+    import fedfeat.encoders.prompt as prompt_mod
 
     pl = PromptLearner(tower, NAMES, 3)
     g = torch.Generator().manual_seed(4)
@@ -418,9 +418,9 @@ def test_unsupervised_promptfl_never_sees_labels_and_batched_equals_loop(store, 
 @pytest.mark.parametrize("pseudo", ["fpl", "copl"])
 def test_unsupervised_promptfl_trains_on_exactly_the_selected_rows(store, live, pseudo):
     """The clients' training rows after setup are FPL's (CoPL's) selection of the zero-shot probabilities."""
-    from fedfeat import pseudolabel as pl
-    from fedfeat.copl import CoPL
-    from fedfeat.engine import build_context
+    from fedfeat.engine.rounds import build_context
+    from fedfeat.methods import pseudolabel as pl
+    from fedfeat.methods.copl import CoPL
 
     data = run_data(store, live)
     m = get_method("promptfl", FAST | {"pseudo": pseudo, "pseudo_k": "2"})

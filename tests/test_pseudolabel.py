@@ -1,4 +1,4 @@
-"""Pseudo-labellers (``fedfeat.pseudolabel``) on hand examples: FPL's per-client top-k, CPL's candidate sets (the
+"""Pseudo-labellers (``fedfeat.methods.pseudolabel``) on hand examples: FPL's per-client top-k, CPL's candidate sets (the
 intra-instance cumulative rule, the inter-instance class quantiles, the 1e-7 share rule, their intersection), CPL's
 pools (deferred acceptance, checked against a line-by-line port of the reference code) and the ``cc`` loss."""
 
@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from fedfeat import pseudolabel as pl
 from fedfeat.errors import FedfeatError
+from fedfeat.methods import pseudolabel as pl
 
 T, F = True, False
 
@@ -217,7 +217,7 @@ def test_labellers_share_one_interface():
     assert pl.cpl_preset("cifar10") == pl.CPL_GENERAL == (60.0, 0.90)
     with pytest.raises(FedfeatError, match="unknown pseudo-labeller 'xpl'; known: copl, cpl, fpl"):
         pl.make_pseudo_labeller("xpl")
-    from fedfeat.copl import CoPL
+    from fedfeat.methods.copl import CoPL
 
     copl = pl.make_pseudo_labeller("copl", round_index=0)  # the third labeller, same interface
     assert isinstance(copl, CoPL) and torch.equal(copl(P, SEG).rows, CoPL(round_index=0)(P, SEG).rows)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from fedfeat import reproduce as R
-from fedfeat.cli import app
+from fedfeat.cli.app import app
 from fedfeat.errors import FedfeatError
+from fedfeat.runs import reproduce as R
 
 runner = CliRunner()
 
@@ -68,7 +68,7 @@ def test_undrawable_column_is_named_not_fatal(small_shapes, tmp_path, monkeypatc
     small = R.Table(t.name, t.title, t.backbone, t.make_target, [t.columns[6], t.columns[9]], [t.rows[0]],
                     {"CLIP-ZS": [68.7, 68.7]}, t.fixed)  # fmt: skip
     monkeypatch.setitem(R.TABLES, "fst-cbdg-table2", small)
-    monkeypatch.setattr("fedfeat.partition._MAX_DRAWS", 50)
+    monkeypatch.setattr("fedfeat.partition.schemes._MAX_DRAWS", 50)
     md = R.reproduce("fst-cbdg-table2", store_root=tmp_path / "c", synthetic=True, seeds=1, rounds=1,
                      out=tmp_path / "r", log=lambda *a: None)  # fmt: skip
     assert "n/a (68.7)" not in md  # zero-shot does not depend on the partition: it is shown in every column

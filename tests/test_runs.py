@@ -1,6 +1,6 @@
 """Run directories you can trust: names, exclusive runs, atomic replacement, resume, identity, replay, reports.
 
-Kills are real: a subprocess is SIGKILLed at a named point (``FEDFEAT_FAULT``, ``fedfeat.rundir.fault_point``)
+Kills are real: a subprocess is SIGKILLed at a named point (``FEDFEAT_FAULT``, ``fedfeat.runs.rundir.fault_point``)
 and nothing of its clean-up runs.
 """
 
@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from fedfeat import checkpoint
-from fedfeat.cli import app
-from fedfeat.rundir import Lock
+from fedfeat.cli.app import app
+from fedfeat.engine import checkpoint
+from fedfeat.runs.rundir import Lock
 
 runner = CliRunner()
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -302,7 +302,7 @@ def test_report_skips_temporaries_and_unreadable_runs(store, tmp_path):
 
 
 def test_labels_that_are_not_class_ids_are_refused(store, tmp_path):
-    from fedfeat.store import FeatureStore
+    from fedfeat.store.featurestore import FeatureStore
 
     bad = tmp_path / "bad.zarr"
     shutil.copytree(store, bad)
@@ -334,7 +334,7 @@ def test_every_demo_method_replays_from_its_config_elsewhere(store, tmp_path, mo
 
 
 def test_seed_table_groups_runs_that_differ_only_in_seed():
-    from fedfeat.runs import seed_table
+    from fedfeat.runs.train import seed_table
 
     def s(method, seed, acc, lr=0.01):
         return {"method": method, "seed": seed, "final_acc": acc, "best_acc": acc, "partition": "p", "rounds": 2,
@@ -465,9 +465,9 @@ def test_local_test_reports_the_mean_of_per_client_accuracies(store, tmp_path):
     test rows; recomputed here from the run's weights, predictions and the split."""
     import numpy as np
 
-    from fedfeat.engine import load_run_data
-    from fedfeat.partition import local_test_split, make_partition
-    from fedfeat.store import FeatureStore
+    from fedfeat.engine.rounds import load_run_data
+    from fedfeat.partition.schemes import local_test_split, make_partition
+    from fedfeat.store.featurestore import FeatureStore
 
     args = ["train", "--method", "zeroshot", "--store", str(store), "--clients", "4", "--partition", "dirichlet",
             "--alpha", "0.3", "--out", str(tmp_path), "--local-test", "proportional", "--quiet", "--rounds", "1"]  # fmt: skip
@@ -494,9 +494,9 @@ def test_local_test_reports_the_mean_of_per_client_accuracies(store, tmp_path):
 def test_local_test_joint_uses_the_test_split_drawn_with_the_partition(store, tmp_path):
     import numpy as np
 
-    from fedfeat.engine import load_run_data
-    from fedfeat.partition import make_partition
-    from fedfeat.store import FeatureStore
+    from fedfeat.engine.rounds import load_run_data
+    from fedfeat.partition.schemes import make_partition
+    from fedfeat.store.featurestore import FeatureStore
 
     args = ["train", "--method", "zeroshot", "--store", str(store), "--clients", "4", "--partition",
             "dirichlet-joint", "--alpha", "0.5", "--out", str(tmp_path), "--local-test", "joint", "--quiet"]  # fmt: skip

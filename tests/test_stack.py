@@ -1,4 +1,4 @@
-"""Stacked runs (``fedfeat.stack``) equal the same runs made one by one with the torch program: seeds,
+"""Stacked runs (``fedfeat.runs.stack``) equal the same runs made one by one with the torch program: seeds,
 participation and hyperparameters differing within one stack, ragged clients, several epochs."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import pytest
 import torch
 from helpers_clip import run_cli
 
-from fedfeat.engine import load_run_data, run_federated
+from fedfeat.engine.rounds import load_run_data, run_federated
 from fedfeat.errors import FedfeatError
 from fedfeat.methods import get_method
-from fedfeat.partition import make_partition
-from fedfeat.stack import run_stacked
-from fedfeat.store import FeatureStore
+from fedfeat.partition.schemes import make_partition
+from fedfeat.runs.stack import run_stacked
+from fedfeat.store.featurestore import FeatureStore
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from fedfeat.errors import FedfeatError
-from fedfeat.partition import make_partition
-from fedfeat.store import FORMAT_VERSION, FeatureStore, default_chunk_rows, fingerprint_hash
+from fedfeat.partition.schemes import make_partition
+from fedfeat.store.featurestore import FORMAT_VERSION, FeatureStore, default_chunk_rows, fingerprint_hash
 
 
 def _new(tmp_path, n_train=10, n_test=4, d=8, chunk_rows=4):

@@ -19,9 +19,9 @@ import zarr
 from helpers_clip import read_only_bind, run_mounted, unshare_available
 from typer.testing import CliRunner
 
-from fedfeat.cli import app
+from fedfeat.cli.app import app
 from fedfeat.errors import FedfeatError
-from fedfeat.store import DONE_BIT, FeatureStore, StoreLock, crc
+from fedfeat.store.featurestore import DONE_BIT, FeatureStore, StoreLock, crc
 
 runner = CliRunner()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -283,7 +283,7 @@ def _tree(path):
 def test_read_only_store_opens_and_partitions_in_memory(store):
     before = _tree(store.parent)
     probe = (
-        "from fedfeat.store import FeatureStore as F; import sys; s = F.open(sys.argv[1], mode='r'); "
+        "from fedfeat.store.featurestore import FeatureStore as F; import sys; s = F.open(sys.argv[1], mode='r'); "
         "s.verify(); print(s.features('train').shape, s.labels('train').sum(), s.text_features().shape); "
         "open(sys.argv[1] + '/probe', 'w')"
     )

@@ -1,4 +1,4 @@
-"""Sweeps (``fedfeat sweep``, ``fedfeat.sweep``): grid expansion, one process for many runs whose results equal
+"""Sweeps (``fedfeat sweep``, ``fedfeat.runs.sweep``): grid expansion, one process for many runs whose results equal
 the same runs made one by one, skipping finished runs, and the closing mean ± std table."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from fedfeat import sweep as sw
-from fedfeat.cli import app
+from fedfeat.cli.app import app
 from fedfeat.errors import FedfeatError
+from fedfeat.runs import sweep as sw
 
 runner = CliRunner()
 

@@ -3,8 +3,8 @@
 import numpy as np
 import torch
 
-from fedfeat.store import FeatureStore
-from fedfeat.synth import SyntheticGenerator, SynthParams, synthetic_stats, write_synthetic_store
+from fedfeat.store.featurestore import FeatureStore
+from fedfeat.store.synth import SyntheticGenerator, SynthParams, synthetic_stats, write_synthetic_store
 
 SMALL = SynthParams(classes=10, dim=256, train_per_class=300, test_per_class=100, templates=3)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedfeat.engine import evaluate, load_run_data, run_federated
+from fedfeat.engine.rounds import evaluate, load_run_data, run_federated
 from fedfeat.errors import FedfeatError
 from fedfeat.methods import get_method
 from fedfeat.methods.base import REGISTRY
@@ -23,9 +23,9 @@ from fedfeat.methods.synthesis import (
     pcl_loss_paper,
     retrain_head,
 )
-from fedfeat.partition import make_partition
-from fedfeat.runs import group_accuracy, shot_groups
-from fedfeat.synth import SynthParams, write_synthetic_store
+from fedfeat.partition.schemes import make_partition
+from fedfeat.runs.train import group_accuracy, shot_groups
+from fedfeat.store.synth import SynthParams, write_synthetic_store
 
 LN3 = math.log(3)
 
@@ -218,7 +218,7 @@ def test_clip2fl_step_loss_is_creff_when_student_logits_equal_clip(lt):
     makes it larger."""
     st, part = lt
     data = load_run_data(st, part, dtype=torch.float64)
-    from fedfeat.engine import Batch, build_context
+    from fedfeat.engine.rounds import Batch, build_context
 
     sets = {"logit_scale": "100", "init": "text"}
     c2, cr = get_method("clip2fl", sets), get_method("creff", sets)

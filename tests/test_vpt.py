@@ -1,4 +1,4 @@
-"""VPT-deep on the tiny open_clip ViT (``fedfeat.vpt``): with no prompt depth it is ``encode_image``; prompts change
+"""VPT-deep on the tiny open_clip ViT (``fedfeat.encoders.vpt``): with no prompt depth it is ``encode_image``; prompts change
 the output and only they receive gradients; a sample's output depends only on its own client's prompts."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 from helpers_clip import make_tiny_clip, reference_model
 
+from fedfeat.encoders.vpt import PromptedViT
 from fedfeat.errors import FedfeatError
-from fedfeat.vpt import PromptedViT
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedfeat.engine import Context, RoundPlan, fedavg, param_bytes, sample_clients
+from fedfeat.engine.optim import BatchedSGD
+from fedfeat.engine.rounds import Context, RoundPlan, fedavg, param_bytes, sample_clients
 from fedfeat.errors import FedfeatError
-from fedfeat.optim import BatchedSGD
 
 REGISTRY: dict[str, type[Method]] = {}
 
@@ -209,7 +209,7 @@ class Method:
     def local_end(self, ctx: Context, plan: RoundPlan, local: dict, params: dict) -> None:
         pass
 
-    # ---- fused CPU kernel (optional; ``fedfeat.kernels``)
+    # ---- fused CPU kernel (optional; ``fedfeat.engine.kernels``)
     def fused_loss(self):
         """The loss of ``step_loss`` as a fused kernel's parameters, or None (no fused kernel)."""
         return None

@@ -2,11 +2,11 @@
 ``krumpguo/FedCoPL``): unsupervised federated prompt learning with a live, prompted image encoder.
 
 Each client trains a deep visual prompt (VPT-deep: 5 tokens at each of the first 11 of ViT-B/32's 12 blocks,
-``fedfeat.vpt``) and a CoOp text context (16 tokens, ``fedfeat.prompt``) on pseudo-labelled local data; the server
+``fedfeat.encoders.vpt``) and a CoOp text context (16 tokens, ``fedfeat.encoders.prompt``) on pseudo-labelled local data; the server
 averages the **visual** prompts weighted by the clients' selected-set sizes, and the text contexts stay with their
 clients (partial prompt aggregation; ``aggregate`` = ``visual`` | ``both`` | ``text`` | ``none`` are the paper's
 ablations). Pseudo-labels come from a reusable pseudo-labeller (``pseudo``: ``copl`` -- the paper's cooperative
-pseudo-labelling, ``fedfeat.copl`` -- or ``fpl``), refreshed every ``refresh`` (Q = 5) rounds: at the first round
+pseudo-labelling, ``fedfeat.methods.copl`` -- or ``fpl``), refreshed every ``refresh`` (Q = 5) rounds: at the first round
 from zero-shot CLIP (the store's cached features), later from the current model (every training image re-encoded
 with the global visual prompt and the client's text context). Images are read from the store's pixels (``encode
 --pixels``), kept in memory as uint8 on the run's device and normalised per step; the whole batch of all active
@@ -32,12 +32,12 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from fedfeat import rng
-from fedfeat.engine import Batch, Context, RoundPlan, fedavg, masked_mean
+from fedfeat.engine import rng
+from fedfeat.engine.optim import BatchedSGD
+from fedfeat.engine.rounds import Batch, Context, RoundPlan, fedavg, masked_mean
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import Method, register
 from fedfeat.methods.linear import FedAvg, LinearHeadParams
-from fedfeat.optim import BatchedSGD
 
 TAG_TEXT_INIT, TAG_VPT_INIT = 311, 312
 EVAL_BATCH = 256  # images per forward when evaluating or refreshing pseudo-labels
@@ -60,7 +60,7 @@ class FedCoPLParams:
     )
     pseudo: Literal["copl", "fpl"] = "copl"  # CoPL (paper); "fpl": FPL's per-class top-k (plug-and-play)
     pseudo_k: int = 16  # FPL's k
-    truncate: bool = True  # text prompts cut after the longest EOT (fedfeat.prompt)
+    truncate: bool = True  # text prompts cut after the longest EOT (fedfeat.encoders.prompt)
 
     def validate(self) -> None:
         if self.local_epochs < 1 or self.batch_size < 1 or self.refresh < 1 or self.pseudo_k < 1:
@@ -82,7 +82,7 @@ def select(ctx: Context, probs: torch.Tensor, seg: torch.Tensor, p, refresh_inde
     """Pseudo-label every client's samples (``probs  # [N, K]``, client-major, ``seg`` the clients' offsets) with
     ``p.pseudo`` and record the selection in ``ctx.state`` (checkpointed): the kept rows' original positions, the
     selected layout's offsets and the hard labels."""
-    from fedfeat import pseudolabel as pl
+    from fedfeat.methods import pseudolabel as pl
 
     params = {"round_index": refresh_index} if p.pseudo == "copl" else {"k": p.pseudo_k}
     sel = pl.make_pseudo_labeller(p.pseudo, **params)(probs, seg)
@@ -134,7 +134,7 @@ class FedCoPL(Method):
 
     # ------------------------------------------------------------------ set-up
     def setup(self, ctx: Context) -> None:
-        from fedfeat.vpt import PromptedViT
+        from fedfeat.encoders.vpt import PromptedViT
 
         p = self.p
         st = ctx.store
@@ -177,7 +177,7 @@ class FedCoPL(Method):
     def _images(
         self, ctx: Context, pixels: torch.Tensor, vpt: torch.Tensor, owner: torch.Tensor
     ) -> torch.Tensor:
-        from fedfeat.store import normalize_pixels
+        from fedfeat.store.featurestore import normalize_pixels
 
         x = normalize_pixels(pixels, self.mean, self.std)
         return F.normalize(self.vit.forward(x, vpt, owner), dim=-1)
@@ -313,7 +313,9 @@ class FedCoPL(Method):
 @dataclass(frozen=True)
 class CoPLLinearParams(LinearHeadParams):
     refresh: int = 5  # Q: pseudo-labels refreshed every Q rounds from the current head (FedCoPL's Q)
-    pseudo: Literal["copl", "fpl"] = "copl"  # the pseudo-labeller (fedfeat.copl / fedfeat.pseudolabel)
+    pseudo: Literal["copl", "fpl"] = (
+        "copl"  # the pseudo-labeller (fedfeat.methods.copl / fedfeat.methods.pseudolabel)
+    )
     pseudo_k: int = 16  # FPL's k
     # CLIP's scale (ours; FedCoPL trains its prompts at CLIP's logit scale, and the pseudo-labels are chosen at it):
     # at the linear heads' default of 1 the head drifts off its zero-shot start on pseudo-labels (synthetic

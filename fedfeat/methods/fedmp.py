@@ -48,13 +48,13 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from fedfeat import rng
-from fedfeat.engine import Batch, Context, RoundPlan, fedavg, masked_mean
+from fedfeat.engine import rng
+from fedfeat.engine.optim import BatchedAdam
+from fedfeat.engine.rounds import Batch, Context, RoundPlan, fedavg, masked_mean
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import Method, register
-from fedfeat.optim import BatchedAdam
 
-# stream tags of this module (fedfeat.rng's are 1..5; these stay clear of them)
+# stream tags of this module (fedfeat.engine.rng's are 1..5; these stay clear of them)
 TAG_ADAPTER_INIT = 201
 TAG_RESIDUAL = 202
 TAG_QUERY_ORDER = 203

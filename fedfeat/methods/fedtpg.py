@@ -34,8 +34,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from fedfeat import rng
-from fedfeat.engine import Context
+from fedfeat.engine import rng
+from fedfeat.engine.rounds import Context
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import register
 from fedfeat.methods.promptfl import PromptFL, PromptParams

@@ -64,8 +64,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedfeat import rng
-from fedfeat.engine import (
+from fedfeat.engine import rng
+from fedfeat.engine.rounds import (
     Context,
     RoundPlan,
     fedavg,
@@ -197,7 +197,7 @@ class FSTCBDG(LinearHead):
     def local_begin(self, ctx: Context, plan: RoundPlan, glob: dict) -> dict:
         m, K = plan.m, ctx.K
         if ctx.device.type == "cpu":  # one compiled pass over the clients' rows (torch's argmax: ~10x slower)
-            from fedfeat import kernels
+            from fedfeat.engine import kernels
 
             counts = torch.from_numpy(
                 kernels.argmax_counts(
@@ -343,10 +343,10 @@ class FSTCBDG(LinearHead):
         return "fst-cbdg"  # kernels.fst_epoch
 
     def fused_epoch(self, ctx, plan, glob, local, params, opt, epoch):
-        """The epoch in ``fedfeat.kernels.fst_epoch``: the same soft-label updates, self-training loss and
+        """The epoch in ``fedfeat.engine.kernels.fst_epoch``: the same soft-label updates, self-training loss and
         synthetic samples (classes, order and signs drawn in the kernel from ``epoch_begin``'s keys; the noise
         bank rows of every step drawn here, as ``_noise`` draws them). Replaces ``epoch_begin`` + the steps."""
-        from fedfeat import kernels
+        from fedfeat.engine import kernels
 
         p = self.p
         W = params["W"]

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedfeat.engine import Batch, Context, RoundPlan, fused_batches, masked_mean
+from fedfeat.engine.rounds import Batch, Context, RoundPlan, fused_batches, masked_mean
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import Method, register
 
@@ -101,9 +101,9 @@ class LinearHead(Method):
         return self.p.logit_scale * (x @ glob["W"].T + glob["b"])
 
     def fused_epoch(self, ctx, plan, glob, local, params, opt, epoch):
-        """The epoch in ``fedfeat.kernels.linear_epoch`` (SGD state: momentum buffers; the first epoch starts
+        """The epoch in ``fedfeat.engine.kernels.linear_epoch`` (SGD state: momentum buffers; the first epoch starts
         every client from ``glob``)."""
-        from fedfeat import kernels
+        from fedfeat.engine import kernels
 
         mode, mu, tau, beta = self.fused_loss()
         bufs = opt.state["fused"]  # momentum buffers (run_local)
@@ -213,7 +213,7 @@ def ntd_loss(
     """FedNTD (Lee et al. 2022) per client: ``CE(z, y) + beta tau^2 KL(softmax(zg~/tau) || softmax(zl~/tau))``,
     where ``~`` removes the true-class column; KL is ``KLDivLoss(batchmean)``: summed over classes, averaged
     over the client's samples. Shapes: ``z_*  # [n, B, K]``, ``y, mask  # [n, B]`` -> ``[n]``; ``tau``, ``beta``
-    one value, or one per client ``[n]`` (stacked runs, ``fedfeat.stack``)."""
+    one value, or one per client ``[n]`` (stacked runs, ``fedfeat.runs.stack``)."""
     K = z_local.shape[-1]
     ce = F.cross_entropy(z_local.transpose(1, 2), y, reduction="none")  # [n, B]
     ar = torch.arange(K - 1, device=y.device)

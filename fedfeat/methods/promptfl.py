@@ -2,7 +2,7 @@
 
 **promptfl** (Guo et al., "PromptFL: Let Federated Participants Cooperatively Learn Prompts Instead of Models",
 IEEE TMC 2023; the baseline of Fed-MP's and FedCoPL's tables): every client trains CoOp context vectors
-(``fedfeat.prompt``; Zhou et al. IJCV 2022) on its labelled data with the frozen CLIP, the server averages them
+(``fedfeat.encoders.prompt``; Zhou et al. IJCV 2022) on its labelled data with the frozen CLIP, the server averages them
 (FedAvg weighted by client sample counts). Image features come from the store (they do not depend on the
 prompt); only the ``K`` class prompts go through the text tower, once per step for all active clients. The loss
 is CoOp's: cross-entropy of ``logit_scale · cos(image, prompt_k)`` with CLIP's own logit scale.
@@ -22,7 +22,7 @@ averaging every earlier round's client weights: its list is never cleared).
 **Unsupervised mode** (``pseudo=fpl|cpl``; FedCoPL's FPL / CPL baselines, whose federated versions are
 unreleased): the method never reads labels (``uses_labels`` is False: the engine hands it none). At setup every
 client pseudo-labels its own data with zero-shot CLIP (the store's first template) through a reusable
-pseudo-labeller of ``fedfeat.pseudolabel``; its selected samples become its training set (aggregation weights are
+pseudo-labeller of ``fedfeat.methods.pseudolabel``; its selected samples become its training set (aggregation weights are
 the selected-set sizes, as FedCoPL weights by them) and the loss is CE on hard labels (FPL) or CPL's
 candidate-set loss ``-log Σ_{j∈S} p_j`` (``cc``). Pseudo-labels are fixed for the run (FPL's static labels; CPL
 refreshes its candidate sets with the trained model during training, which this mode does not yet do: a
@@ -39,11 +39,11 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from fedfeat import rng
-from fedfeat.engine import Batch, Context, RoundPlan, fedavg, masked_mean
+from fedfeat.engine import rng
+from fedfeat.engine.optim import BatchedSGD
+from fedfeat.engine.rounds import Batch, Context, RoundPlan, fedavg, masked_mean
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import Method, register
-from fedfeat.optim import BatchedSGD
 
 TAG_CTX_INIT = 301
 
@@ -64,7 +64,9 @@ class PromptParams:
     csc: bool = False  # CoOp CSC False: one context shared by all classes
     ctx_init: str = ""  # CoOp CTX_INIT "": random N(0, 0.02); e.g. "a photo of a" (then n_ctx = its tokens)
     ctx_std: float = 0.02  # CoOp nn.init.normal_(ctx_vectors, std=0.02)
-    truncate: bool = True  # cut prompts after the longest EOT (exact for causal towers; fedfeat.prompt)
+    truncate: bool = (
+        True  # cut prompts after the longest EOT (exact for causal towers; fedfeat.encoders.prompt)
+    )
     normalize: bool = True  # L2-normalised image features (CoOp: image_features / norm)
     aggregation: Literal["size", "mean"] = "size"  # FedAvg by client size; "mean": PromptFL's average_weights
 
@@ -103,11 +105,11 @@ class PromptFLParams(PromptParams):
 
 
 def pseudo_label(ctx: Context, how: str, p) -> None:
-    """Replace the clients' training sets by their pseudo-labelled selections (``fedfeat.pseudolabel``): zero-shot
+    """Replace the clients' training sets by their pseudo-labelled selections (``fedfeat.methods.pseudolabel``): zero-shot
     probabilities ``softmax(logit_scale · cos(x, t_k))`` with the store's first template, per client; ``ctx.feats``
     and ``ctx.offsets`` become the kept rows (client-major), ``ctx.state`` gets their labels or candidate sets and
     their positions in the original order (``pseudo_rows``, for the pseudo-label accuracy)."""
-    from fedfeat import pseudolabel as pl
+    from fedfeat.methods import pseudolabel as pl
 
     with torch.no_grad():
         text = ctx.text.to(ctx.feats.dtype)
@@ -120,9 +122,11 @@ def pseudo_label(ctx: Context, how: str, p) -> None:
     params = {"k": p.pseudo_k}
     if how == "cpl":
         params |= {"conf_quantile": p.conf_quantile, "regular_threshold": p.regular_threshold}
-    if how == "copl":  # FedCoPL's cooperative pseudo-labels (fedfeat.copl), once from zero-shot CLIP
+    if how == "copl":  # FedCoPL's cooperative pseudo-labels (fedfeat.methods.copl), once from zero-shot CLIP
         params = {"round_index": 0}
-    sel = pl.make_pseudo_labeller(how, **params)(probs, ctx.offsets)  # a fedfeat.pseudolabel.Selection
+    sel = pl.make_pseudo_labeller(how, **params)(
+        probs, ctx.offsets
+    )  # a fedfeat.methods.pseudolabel.Selection
     rows = sel.rows
     if how in ("fpl", "copl"):
         ctx.state["pseudo_labels"] = sel.candidates.float().argmax(1)
@@ -156,7 +160,7 @@ class PromptMethod(Method):
         p = self.p
         n_ctx = p.n_ctx
         if p.ctx_init:
-            from fedfeat.prompt import phrase_tokens
+            from fedfeat.encoders.prompt import phrase_tokens
 
             n_ctx = phrase_tokens(ctx.live.tower, p.ctx_init).shape[0]
         self.learner = ctx.live.learner(ctx.class_names, n_ctx, truncate=p.truncate)
@@ -212,7 +216,7 @@ class PromptFL(PromptMethod):
         logits = self.logits(ctx, params, batch.x)  # [n, B, K]
         n, B, K = logits.shape
         if self.pseudo == "cpl":
-            from fedfeat.pseudolabel import cc_loss
+            from fedfeat.methods.pseudolabel import cc_loss
 
             loss = cc_loss(logits, ctx.state["pseudo_candidates"][batch.pos], batch.mask)  # [n, B]
         else:

@@ -82,13 +82,13 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from fedfeat import rng
-from fedfeat.engine import Context, RoundPlan, masked_mean
+from fedfeat.engine import rng
+from fedfeat.engine.rounds import Context, RoundPlan, masked_mean
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import register
 from fedfeat.methods.linear import LinearHead, LinearHeadParams
 
-# random-stream tags of this module (fedfeat.rng's own tags are < 100)
+# random-stream tags of this module (fedfeat.engine.rng's own tags are < 100)
 TAG_HEAD_INIT = 101  # round-1 gradient head (main.py's temp_model)
 TAG_FEAT_INIT = 102  # federated features
 TAG_GRAD_DRAW = 103  # clients' draws of up to 32 real samples per class and repetition

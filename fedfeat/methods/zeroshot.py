@@ -1,6 +1,6 @@
 """CLIP zero-shot classification (CLIP-ZS): argmax over classes of image . text, no training.
 
-A run also writes its result in CLIP_benchmark's JSON schema (``fedfeat.clipbench``): top-1, top-5 accuracy and
+A run also writes its result in CLIP_benchmark's JSON schema (``fedfeat.report.clipbench``): top-1, top-5 accuracy and
 mean per-class recall on the store's test split, in a file named as CLIP_benchmark names its outputs
 (``{dataset}_{pretrained}_{model}_{language}_{task}.json``), which ``clip_benchmark build`` merges with its own.
 """
@@ -46,13 +46,13 @@ class ZeroShot(Method):
 
     @torch.no_grad()
     def run_files(self, run_dir, *, data, glob, store) -> dict:
-        """Write the run's result in CLIP_benchmark's JSON schema into ``run_dir`` (``fedfeat.clipbench``); returns
+        """Write the run's result in CLIP_benchmark's JSON schema into ``run_dir`` (``fedfeat.report.clipbench``); returns
         what ``summary.json`` records of it (the file's name).
 
         The logits are this method's ``predict`` on the store's whole test split (label -1 rows left out), over all
         classes: the run's own test set, except for an open-vocabulary partition, whose test set is the query set
         of novel classes."""
-        from fedfeat import clipbench
+        from fedfeat.report import clipbench
 
         x, y = data.test_x, data.test_y
         if data.open_vocab is not None:  # test_x is the novel-class query set: read the whole split instead

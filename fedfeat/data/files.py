@@ -1,0 +1,668 @@
+"""Image datasets read from disk in their published formats (fedfeat never downloads data).
+
+Formats (``open_dataset(name, root)``):
+
+==============  ==============================================================================================
+``cifar10``     the CIFAR-10 "python version" folder ``cifar-10-batches-py/``: ``data_batch_1`` ... ``_5``
+                (split ``train``), ``test_batch`` (``test``), class names from ``batches.meta``
+``cifar100``    the CIFAR-100 "python version" folder ``cifar-100-python/``: ``train``, ``test``; fine labels,
+                class names from ``meta`` (``fine_label_names``)
+``cinic10``     CINIC-10: ImageFolder trees ``train/``, ``valid/``, ``test/`` with one folder per class
+``imagefolder`` any ``root/<split>/<class>/<image>`` tree (the class set is the union over the splits)
+``listfile``    ``<split>.txt`` (or ``<prefix>_<split>.txt`` such as ``ImageNet_LT_train.txt``) files of
+                ``relative/path label`` lines, images resolved against ``root``, plus ``classnames.txt``
+                (or ``class_names.txt``): one class name per line in label order; a leading label number or
+                WordNet id (``n01440764 tench``) on every line is dropped
+``hf:NAME``     a Hugging Face ``datasets`` dataset saved with ``save_to_disk`` or in the local cache, and
+``wds:PATTERN`` webdataset tar shards: ``fedfeat.data.hf`` (the optional extra ``fedfeat[hf]``)
+==============  ==============================================================================================
+
+Class names have ``_`` replaced by a space. CIFAR pickles are read by a restricted unpickler that only admits
+what those files contain (dicts, lists, strings and numpy arrays): a data file never runs code.
+
+Example::
+
+    >>> ds = open_dataset("cifar10", "~/data/cifar-10-batches-py")
+    >>> ds.split_names, ds.n("train"), ds.class_names[:2]
+    (['train', 'test'], 50000, ['airplane', 'automobile'])
+    >>> ds.load_image("train", 0).size
+    (32, 32)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from fedfeat.errors import FedfeatError
+
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+_SPLIT_ORDER = ("train", "val", "valid", "validation", "test")
+
+
+class UnreadableImage(FedfeatError):
+    """An image that cannot be decoded (or is missing); ``encode --skip-bad`` records it instead."""
+
+    def __init__(self, where: str, reason: str):
+        self.where = where
+        super().__init__(
+            f"cannot read image {where} ({reason}); fix or replace the file and re-run the same command "
+            "(finished chunks are kept), or pass --skip-bad to skip it (its row gets label -1)"
+        )
+
+
+def clean_class_name(name: str) -> str:
+    """``aquarium_fish`` -> ``aquarium fish`` (names come from the dataset's own metadata)."""
+    return name.replace("_", " ").strip()
+
+
+# ------------------------------------------------------------------------------------ restricted unpickling
+def _np_global(*candidates: tuple[str, str]):
+    import importlib
+
+    for mod, name in candidates:
+        try:
+            return getattr(importlib.import_module(mod), name)
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
+# Exactly the globals that CIFAR "python version" pickles (and numpy arrays pickled by Python 3) refer to.
+_RECONSTRUCT = _np_global(
+    ("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "_reconstruct")
+)
+_FROMBUFFER = _np_global(("numpy._core.numeric", "_frombuffer"), ("numpy.core.numeric", "_frombuffer"))
+_ALLOWED_GLOBALS = {
+    ("numpy.core.multiarray", "_reconstruct"): _RECONSTRUCT,
+    ("numpy._core.multiarray", "_reconstruct"): _RECONSTRUCT,
+    ("numpy.core.numeric", "_frombuffer"): _FROMBUFFER,
+    ("numpy._core.numeric", "_frombuffer"): _FROMBUFFER,
+    ("numpy", "ndarray"): np.ndarray,
+    ("numpy", "dtype"): np.dtype,
+}
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Admits only numpy array reconstruction; any other global (``os.system``, ...) is refused."""
+
+    def find_class(self, module: str, name: str):
+        fn = _ALLOWED_GLOBALS.get((module, name))
+        if fn is None:
+            raise pickle.UnpicklingError(f"refusing global {module}.{name}")
+        return fn
+
+
+def restricted_load(path: Path) -> object:
+    """Unpickle a CIFAR batch file without letting it run code (Python 2 strings come back as ``bytes``).
+
+    Raises ``FedfeatError`` naming the file when it is unreadable or refers to anything but numpy arrays.
+    """
+    try:
+        with open(path, "rb") as f:
+            return _RestrictedUnpickler(f, encoding="bytes").load()
+    except FileNotFoundError:
+        raise
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        ValueError,
+        TypeError,
+        AttributeError,
+        IndexError,
+        OSError,
+    ) as e:
+        raise FedfeatError(
+            f"{path} is not a readable CIFAR pickle ({type(e).__name__}: {e}); re-extract the dataset archive"
+        ) from None
+
+
+def _key(d: dict, name: str):
+    """``d[b'name']`` or ``d['name']`` (Python 2 pickles have bytes keys)."""
+    if name.encode() in d:
+        return d[name.encode()]
+    return d.get(name)
+
+
+def _to_str(x) -> str:
+    return x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
+
+
+# ---------------------------------------------------------------------------------------- file fingerprint
+HASH_BLOCK = 1 << 20  # bytes read per update while hashing a file
+_RACY_NS = 2_000_000_000  # a file modified this recently may change again within its mtime tick: not cached
+
+
+def hash_cache_dir() -> Path:
+    """Where content hashes are cached: ``$FEDFEAT_CACHE_DIR`` or ``$XDG_CACHE_HOME/fedfeat`` (``~/.cache``)."""
+    env = os.environ.get("FEDFEAT_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "fedfeat"
+
+
+def _hash_file(path: Path) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while block := f.read(HASH_BLOCK):
+            h.update(block)
+    return h.hexdigest()
+
+
+class _HashCache:
+    """Content hashes of one dataset root's files, cached by (name, size, mtime_ns) in a small JSON file.
+
+    An entry is used only while the file's size and mtime are unchanged (and not for files modified in
+    the last two seconds, whose mtime may not yet show a further edit). The file is written atomically
+    (temporary file + rename); a cache that cannot be read or written is simply not used.
+    """
+
+    def __init__(self, root: Path):
+        key = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]
+        self.path = hash_cache_dir() / "file-hashes" / f"{key}.json"
+        self.root = root
+        try:
+            doc = json.loads(self.path.read_text())
+            self.entries = doc["entries"] if doc.get("root") == str(root.resolve()) else {}
+        except (OSError, ValueError, KeyError, TypeError):
+            self.entries = {}
+        self.dirty = False
+
+    def digest(self, name: str) -> tuple[int, str]:
+        """``(size, content hash)`` of ``root/name``; ``(-1, "missing")`` for a file that cannot be read."""
+        path = self.root / name
+        try:
+            st = path.stat()
+        except OSError:
+            return -1, "missing"
+        hit = self.entries.get(name)
+        if isinstance(hit, list) and hit[:2] == [st.st_size, st.st_mtime_ns]:
+            return st.st_size, hit[2]
+        try:
+            h = _hash_file(path)
+        except OSError:
+            return -1, "unreadable"
+        if time.time_ns() - st.st_mtime_ns > _RACY_NS:
+            self.entries[name] = [st.st_size, st.st_mtime_ns, h]
+            self.dirty = True
+        return st.st_size, h
+
+    def save(self) -> None:
+        if not self.dirty:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"root": str(self.root.resolve()), "entries": self.entries}))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # a read-only home: hash again next time
+
+
+def _files_fingerprint(files: list[tuple[str, int, str]]) -> dict:
+    """Names (relative to the root), sizes and content hashes of the files read; listed (name -> size)
+    for small datasets, hashed always."""
+    h = hashlib.sha256()
+    for name, size, digest in files:
+        h.update(f"{name}\t{size}\t{digest}\n".encode())
+    out: dict = {
+        "count": len(files),
+        "bytes": int(sum(max(s, 0) for _, s, _ in files)),
+        "content": "blake2b-128",
+        "sha256": h.hexdigest(),
+    }
+    if len(files) <= 32:
+        out["files"] = {name: size for name, size, _ in files}
+    return out
+
+
+def _size(p: Path) -> int:
+    try:
+        return p.stat().st_size
+    except OSError:
+        return -1
+
+
+# ---------------------------------------------------------------------------------------- base class
+class ImageDataset:
+    """A dataset on disk: named splits with ``[N]`` int64 labels, class names, and images by index.
+
+    Subclasses fill ``class_names`` and ``_labels`` and implement ``load_image`` / ``item_name`` / ``files``.
+    Images come back as RGB ``PIL.Image`` objects (decoded with PIL, never ``torchvision.io``).
+    """
+
+    format: str = ""
+    layout: str = ""  # the expected layout on disk, quoted in error messages
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.class_names: list[str] = []
+        self._labels: dict[str, np.ndarray] = {}
+        self._digests: list[tuple[str, int, str]] | None = None
+
+    @property
+    def split_names(self) -> list[str]:
+        return list(self._labels)
+
+    def n(self, split: str) -> int:
+        return len(self.labels(split))
+
+    def labels(self, split: str) -> np.ndarray:
+        """``[N]`` int64 class ids of ``split``."""
+        if split not in self._labels:
+            raise FedfeatError(
+                f"{self.format} at {self.root} has no split '{split}'; it has: {', '.join(self._labels)}"
+            )
+        return self._labels[split]
+
+    def load_image(self, split: str, i: int) -> Image.Image:
+        """Image ``i`` of ``split`` as RGB; raises ``UnreadableImage`` when it cannot be decoded."""
+        raise NotImplementedError
+
+    def item_name(self, split: str, i: int) -> str:
+        """Image ``i`` of ``split`` relative to the root: ``train/cat/1.png``, CIFAR ``data_batch_1[123]``."""
+        raise NotImplementedError
+
+    def describe(self, split: str, i: int) -> str:
+        """Where image ``i`` of ``split`` lives, for messages: ``root / item_name``."""
+        return str(self.root / self.item_name(split, i))
+
+    def files(self) -> list[tuple[str, int]]:
+        """``(name relative to root, size in bytes)`` of every file the dataset reads, sorted."""
+        raise NotImplementedError
+
+    def file_digests(self) -> list[tuple[str, int, str]]:
+        """``(name, size, content hash)`` of every file the dataset reads, sorted; hashes are cached by
+        (path, size, mtime) so a re-run does not read unchanged files again."""
+        if self._digests is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            cache = _HashCache(self.root)
+            names = [name for name, _ in self.files()]
+            with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:  # hashlib releases the GIL
+                self._digests = [(name, *d) for name, d in zip(names, pool.map(cache.digest, names))]
+            cache.save()
+        return self._digests
+
+    def fingerprint(self) -> dict:
+        """What identifies the data: format, split sizes, class names and the files' names, sizes and
+        contents."""
+        return {
+            "format": self.format,
+            "splits": {s: self.n(s) for s in self.split_names},
+            "n_classes": len(self.class_names),
+            "class_names": list(self.class_names),
+            "files": _files_fingerprint(self.file_digests()),
+        }
+
+    def rows_of_files(self, names: set[str]) -> tuple[dict[str, np.ndarray], set[str]]:
+        """Rows read from the files ``names``: ``({split: rows}, names that are not image sources)`` (for
+        re-encoding only what a changed file feeds)."""
+        raise NotImplementedError
+
+
+# ---------------------------------------------------------------------------------------- CIFAR
+class _CifarBase(ImageDataset):
+    folder = ""
+    split_files: dict[str, tuple[str, ...]] = {}
+    meta_file = ""
+    names_key = ""
+    labels_key = ""
+    layout = ""
+
+    def __init__(self, root: Path):
+        super().__init__(self._find_root(root))
+        meta = self._read(self.meta_file)
+        names = _key(meta, self.names_key) if isinstance(meta, dict) else None
+        if not isinstance(names, list) or not names:
+            raise FedfeatError(
+                f"{self.root / self.meta_file} has no '{self.names_key}' list; expected {self.layout}"
+            )
+        self.class_names = [clean_class_name(_to_str(x)) for x in names]
+        self._images: dict[str, np.ndarray] = {}  # split -> [N, 32, 32, 3] uint8
+        self._rows: dict[str, list[tuple[str, int]]] = {}  # split -> per-file (name, rows)
+        for split, fnames in self.split_files.items():
+            data, labels, rows = [], [], []
+            for fn in fnames:
+                d = self._read(fn)
+                x = _key(d, "data") if isinstance(d, dict) else None
+                y = _key(d, self.labels_key) if isinstance(d, dict) else None
+                if not isinstance(x, np.ndarray) or x.ndim != 2 or x.shape[1] != 3072 or x.dtype != np.uint8:
+                    raise FedfeatError(
+                        f"{self.root / fn} has no 'data' array of shape [N, 3072] uint8; "
+                        f"expected {self.layout}"
+                    )
+                y = np.asarray(y if y is not None else [], dtype=np.int64)
+                if y.shape != (len(x),):
+                    raise FedfeatError(
+                        f"{self.root / fn} has {len(y)} '{self.labels_key}' for {len(x)} images; "
+                        f"expected {self.layout}"
+                    )
+                if len(y) and (y.min() < 0 or y.max() >= len(self.class_names)):
+                    raise FedfeatError(
+                        f"{self.root / fn} has labels outside 0..{len(self.class_names) - 1}; "
+                        f"expected {self.layout}"
+                    )
+                data.append(x.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
+                labels.append(y)
+                rows.append((fn, len(x)))
+            self._images[split] = np.ascontiguousarray(np.concatenate(data))
+            self._labels[split] = np.concatenate(labels)
+            self._rows[split] = rows
+
+    def _find_root(self, root: Path) -> Path:
+        if not (root / self.meta_file).is_file() and (root / self.folder / self.meta_file).is_file():
+            return root / self.folder
+        if not root.is_dir():
+            raise FedfeatError(f"{self.format}: {root} is not a directory; expected {self.layout}")
+        return root
+
+    def _read(self, fn: str):
+        path = self.root / fn
+        if not path.is_file():
+            raise FedfeatError(f"{self.format}: {path} not found; expected {self.layout}")
+        return restricted_load(path)
+
+    def load_image(self, split: str, i: int) -> Image.Image:
+        return Image.fromarray(self._images[split][i])  # [32, 32, 3] uint8 -> RGB
+
+    def item_name(self, split: str, i: int) -> str:
+        for fn, n in self._rows[split]:
+            if i < n:
+                return f"{fn}[{i}]"
+            i -= n
+        raise IndexError(i)
+
+    def files(self) -> list[tuple[str, int]]:
+        names = [self.meta_file] + [fn for fns in self.split_files.values() for fn in fns]
+        return sorted((fn, _size(self.root / fn)) for fn in names)
+
+    def rows_of_files(self, names: set[str]) -> tuple[dict[str, np.ndarray], set[str]]:
+        rows: dict[str, np.ndarray] = {}
+        used = set()
+        for split, per_file in self._rows.items():
+            start, hit = 0, []
+            for fn, n in per_file:
+                if fn in names:
+                    hit.append(np.arange(start, start + n))
+                    used.add(fn)
+                start += n
+            if hit:
+                rows[split] = np.concatenate(hit)
+        return rows, set(names) - used
+
+
+class Cifar10(_CifarBase):
+    format = "cifar10"
+    folder = "cifar-10-batches-py"
+    split_files = {"train": tuple(f"data_batch_{i}" for i in range(1, 6)), "test": ("test_batch",)}
+    meta_file = "batches.meta"
+    names_key = "label_names"
+    labels_key = "labels"
+    layout = (
+        "the CIFAR-10 python version folder cifar-10-batches-py/ (data_batch_1..5, test_batch, batches.meta)"
+    )
+
+
+class Cifar100(_CifarBase):
+    format = "cifar100"
+    folder = "cifar-100-python"
+    split_files = {"train": ("train",), "test": ("test",)}
+    meta_file = "meta"
+    names_key = "fine_label_names"
+    labels_key = "fine_labels"
+    layout = "the CIFAR-100 python version folder cifar-100-python/ (train, test, meta)"
+
+
+# ---------------------------------------------------------------------------------------- files on disk
+class _FileDataset(ImageDataset):
+    """Datasets whose images are files: ``self._paths[split]`` holds paths relative to the root."""
+
+    def __init__(self, root: Path):
+        super().__init__(root)
+        self._paths: dict[str, list[str]] = {}
+        self._extra_files: list[str] = []
+
+    def _abs(self, split: str, i: int) -> Path:
+        p = Path(self._paths[split][i])
+        return p if p.is_absolute() else self.root / p
+
+    def load_image(self, split: str, i: int) -> Image.Image:
+        path = self._abs(split, i)
+        try:
+            with Image.open(path) as img:
+                img.load()
+                return img.convert("RGB")
+        except FileNotFoundError:
+            raise UnreadableImage(str(path), "file not found") from None
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+            raise UnreadableImage(str(path), f"{type(e).__name__}: {e}") from None
+
+    def item_name(self, split: str, i: int) -> str:
+        return self._paths[split][i]
+
+    def rows_of_files(self, names: set[str]) -> tuple[dict[str, np.ndarray], set[str]]:
+        rows, used = {}, set()
+        for split, paths in self._paths.items():
+            hit = [i for i, p in enumerate(paths) if p in names]
+            used.update(paths[i] for i in hit)
+            if hit:
+                rows[split] = np.asarray(hit, dtype=np.int64)
+        return rows, set(names) - used
+
+    def files(self) -> list[tuple[str, int]]:
+        names = set(self._extra_files)
+        for paths in self._paths.values():
+            names.update(paths)
+        return sorted((n, _size(self.root / n)) for n in names)
+
+
+def _list_images(d: Path) -> list[str]:
+    return sorted(
+        e.name
+        for e in os.scandir(d)
+        if e.is_file() and not e.name.startswith(".") and e.name.lower().endswith(IMG_EXTENSIONS)
+    )
+
+
+def _split_key(name: str) -> tuple[int, str]:
+    return (_SPLIT_ORDER.index(name) if name in _SPLIT_ORDER else len(_SPLIT_ORDER), name)
+
+
+class ImageFolder(_FileDataset):
+    """``root/<split>/<class>/<image>``; class ids index the sorted union of class folder names."""
+
+    format = "imagefolder"
+    required_splits: tuple[str, ...] = ()
+    layout = "root/<split>/<class>/<image> (e.g. train/cat/0001.png), images with extensions " + " ".join(
+        IMG_EXTENSIONS
+    )
+
+    def __init__(self, root: Path):
+        super().__init__(root)
+        if not root.is_dir():
+            raise FedfeatError(f"{self.format}: {root} is not a directory; expected {self.layout}")
+        for s in self.required_splits:
+            if not (root / s).is_dir():
+                raise FedfeatError(f"{self.format}: {root / s} not found; expected {self.layout}")
+        split_dirs = sorted(
+            (e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith(".")), key=_split_key
+        )
+        if self.required_splits:
+            split_dirs = [s for s in split_dirs if s in self.required_splits]
+        class_dirs = {
+            s: sorted(e.name for e in os.scandir(root / s) if e.is_dir() and not e.name.startswith("."))
+            for s in split_dirs
+        }
+        class_dirs = {s: c for s, c in class_dirs.items() if c}
+        if not class_dirs:
+            raise FedfeatError(
+                f"{self.format}: no <split>/<class>/ folders under {root}; expected {self.layout}"
+            )
+        raw = sorted(set().union(*class_dirs.values()))
+        index = {c: k for k, c in enumerate(raw)}
+        self.class_names = [clean_class_name(c) for c in raw]
+        for split, classes in class_dirs.items():
+            paths, labels = [], []
+            for c in classes:
+                for fn in _list_images(root / split / c):
+                    paths.append(f"{split}/{c}/{fn}")
+                    labels.append(index[c])
+            if not paths:
+                raise FedfeatError(f"{self.format}: no images under {root / split}; expected {self.layout}")
+            self._paths[split] = paths
+            self._labels[split] = np.asarray(labels, dtype=np.int64)
+
+
+class Cinic10(ImageFolder):
+    format = "cinic10"
+    required_splits = ("train", "valid", "test")
+    layout = "the CINIC-10 folder with train/, valid/, test/, each holding one folder per class of PNGs"
+
+
+def _list_split_name(stem: str) -> str:
+    """``train`` from ``train``, ``ImageNet_LT_train`` or ``train_list``: the last ``_``-part that is a known
+    split name, else the last ``_``-part (``ImageNet_LT_open`` -> ``open``)."""
+    parts = stem.lower().split("_")
+    known = [x for x in parts if x in _SPLIT_ORDER]
+    return known[-1] if known else parts[-1]
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise FedfeatError(f"cannot read {path} ({e}); expected a UTF-8 text file") from None
+
+
+def read_class_names(path: Path) -> list[str]:
+    """Class names from a text file, one per line in label order (``_`` -> space); a leading label number
+    (``0 tench``, any order) or WordNet id (``n01440764 tench``) on every line is dropped."""
+    lines = [ln.strip() for ln in _read_text(path).splitlines() if ln.strip()]
+    if not lines:
+        raise FedfeatError(f"{path} is empty; expected one class name per line")
+    parts = [ln.split(None, 1) for ln in lines]
+    if all(len(p) == 2 and p[0].isdigit() for p in parts):  # "0 tench": label number first
+        ids = [int(p[0]) for p in parts]
+        if sorted(ids) != list(range(len(ids))):
+            raise FedfeatError(f"{path}: the leading label numbers are not 0..{len(ids) - 1}; fix the file")
+        names = [""] * len(ids)
+        for k, p in zip(ids, parts):
+            names[k] = p[1]
+        lines = names
+    elif all(len(p) == 2 and re.fullmatch(r"n\d{8}", p[0]) for p in parts):  # "n01440764 tench"
+        lines = [p[1] for p in parts]
+    return [clean_class_name(n) for n in lines]
+
+
+class ListFile(_FileDataset):
+    """``<split>.txt`` lists of ``path label`` lines and a class-name file (ImageNet-LT, CPL/CoOp bundles)."""
+
+    format = "listfile"
+    name_files = ("classnames.txt", "class_names.txt")
+    layout = (
+        "root/<split>.txt (or <prefix>_<split>.txt, <split>_list.txt) with 'relative/path label' lines, "
+        "images relative to root, "
+        "and root/classnames.txt with one class name per line in label order"
+    )
+
+    def __init__(self, root: Path):
+        super().__init__(root)
+        if not root.is_dir():
+            raise FedfeatError(f"{self.format}: {root} is not a directory; expected {self.layout}")
+        name_file = next((root / n for n in self.name_files if (root / n).is_file()), None)
+        if name_file is None:
+            raise FedfeatError(
+                f"{self.format}: {root / self.name_files[0]} not found; expected {self.layout}"
+            )
+        self.class_names = self._read_names(name_file)
+        self._extra_files.append(name_file.name)
+        lists = sorted(p for p in root.glob("*.txt") if p.name not in self.name_files)
+        by_split: dict[str, Path] = {}
+        for p in lists:
+            split = _list_split_name(p.stem)
+            if split in by_split:
+                raise FedfeatError(
+                    f"{self.format}: {by_split[split].name} and {p.name} both give split '{split}'; "
+                    "keep one list file per split"
+                )
+            by_split[split] = p
+        if not by_split:
+            raise FedfeatError(f"{self.format}: no <split>.txt list files in {root}; expected {self.layout}")
+        for split in sorted(by_split, key=_split_key):
+            self._read_list(split, by_split[split])
+
+    def _read_names(self, path: Path) -> list[str]:
+        return read_class_names(path)
+
+    def _text(self, path: Path) -> str:
+        return _read_text(path)
+
+    def _read_list(self, split: str, path: Path) -> None:
+        paths, labels = [], []
+        for i, line in enumerate(self._text(path).splitlines()):
+            if not line.strip():
+                continue
+            parts = line.strip().rsplit(None, 1)
+            if len(parts) != 2 or not re.fullmatch(r"-?\d+", parts[1]):
+                raise FedfeatError(f"{path}:{i + 1}: expected 'relative/path label', got {line.strip()!r}")
+            y = int(parts[1])
+            if not 0 <= y < len(self.class_names):
+                raise FedfeatError(
+                    f"{path}:{i + 1}: label {y} is outside 0..{len(self.class_names) - 1} "
+                    f"({len(self.class_names)} names in the class-name file); fix the list or the names"
+                )
+            paths.append(parts[0])
+            labels.append(y)
+        if not paths:
+            raise FedfeatError(f"{path} lists no images; expected {self.layout}")
+        self._paths[split] = paths
+        self._labels[split] = np.asarray(labels, dtype=np.int64)
+        self._extra_files.append(path.name)
+
+
+DATASETS: dict[str, type[ImageDataset]] = {
+    "cifar10": Cifar10,
+    "cifar100": Cifar100,
+    "cinic10": Cinic10,
+    "imagefolder": ImageFolder,
+    "listfile": ListFile,
+}
+
+
+def open_dataset(name: str, root: str | Path, options: dict | None = None) -> ImageDataset:
+    """Open dataset format ``name`` at ``root`` (see the module docstring for the layouts).
+
+    ``hf:NAME[:CONFIG]`` and ``wds:PATTERN`` (``fedfeat.data.hf``) resolve relative names against ``root``
+    and take ``options``: ``image_column``, ``label_column``, ``classnames`` (a class-name file).
+
+    Example::
+
+        >>> ds = open_dataset("imagefolder", "data/pets")   # data/pets/{train,test}/<class>/*.jpg
+        >>> ds.labels("test").dtype
+        dtype('int64')
+    """
+    opts = {k: v for k, v in (options or {}).items() if v is not None}
+    if name.startswith(("hf:", "wds:")):
+        from fedfeat.data.hf import open_external
+
+        return open_external(name, Path(root).expanduser(), **opts)
+    if opts:
+        flag = "--" + next(iter(opts)).replace("_", "-")
+        raise FedfeatError(f"{flag} applies to hf: and wds: datasets only, not to '{name}'; drop it")
+    if name not in DATASETS:
+        raise FedfeatError(
+            f"unknown dataset '{name}'; known: {', '.join(DATASETS)}, hf:NAME[:CONFIG], wds:PATTERN"
+        )
+    root = Path(root).expanduser()
+    if not root.exists():
+        raise FedfeatError(f"dataset root {root} does not exist; expected {DATASETS[name].layout}")
+    return DATASETS[name](root)

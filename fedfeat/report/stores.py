@@ -1,0 +1,259 @@
+"""Human-facing output: store info tables, partition statistics, plots.
+
+Library functions here take paths and options and print with ``rich``; the CLI calls exactly one of them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from fedfeat.errors import FedfeatError
+from fedfeat.store.featurestore import FeatureStore, storage_error
+
+
+def _console() -> Console:
+    return Console(highlight=False, soft_wrap=False, width=120)
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def print_store_info(path: str | Path, *, as_json: bool = False, verify: bool = False) -> None:
+    """``fedfeat info``: attributes, split sizes, partitions of a store (incomplete ones included).
+
+    Opens the store read-only (works on read-only filesystems, writes nothing). ``verify``: first check
+    every written chunk, the labels and the text features against their checksums and for finite values
+    (``FeatureStore.verify``); a damaged store is a one-line error naming the split, chunk and rows.
+    """
+    st = FeatureStore.open(path, allow_incomplete=True)
+    checked = st.verify() if verify else None
+    try:
+        summ = st.summary()
+    except OSError as e:
+        raise storage_error(e, path, "reading the store", "check the path and its permissions") from None
+    if checked is not None:
+        summ["verified"] = checked
+    if as_json:
+        print(json.dumps(summ, indent=2, default=str))
+        return
+    a = summ["attrs"]
+    con = _console()
+    t = Table(title=f"store {st.path}", show_header=False, title_justify="left")
+    t.add_column("key", style="bold")
+    t.add_column("value")
+    status = (
+        "complete" if st.complete else "[red]INCOMPLETE[/red] (resume with the same `fedfeat encode` command)"
+    )
+    t.add_row("status", status)
+    t.add_row("format version", str(a["format_version"]))
+    t.add_row("backbone / weights", f"{a['backbone']} / {a['pretrained']}")
+    t.add_row("embed dim / logit scale", f"{a['embed_dim']} / {a['logit_scale']:g}")
+    names = a["class_names"]
+    shown = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
+    t.add_row("classes", f"{len(names)}: {shown}")
+    t.add_row(
+        "templates",
+        f"{len(a['templates'])}: {a['templates'][0]!r}" + (", ..." if len(a["templates"]) > 1 else ""),
+    )
+    for split, n in a["splits"].items():
+        done = st.done_chunks(split)
+        t.add_row(
+            f"split {split}", f"{n} x {a['embed_dim']} float16, {int(done.sum())}/{len(done)} chunks written"
+        )
+    t.add_row("fingerprint", a.get("fingerprint_hash", "?"))
+    t.add_row("size on disk", _human_bytes(summ["bytes_on_disk"]))
+    if checked is not None:
+        t.add_row(
+            "verified",
+            f"{checked['chunks']} feature chunks ({checked['rows']} rows), labels"
+            + (", text features" if checked.get("text") else "")
+            + ": checksums match, all finite",
+        )
+    if "synthetic_stats" in a:
+        s = a["synthetic_stats"]
+        t.add_row("synthetic stats", ", ".join(f"{k} {v:.3f}" for k, v in s.items()))
+    con.print(t)
+    parts = summ["partitions"]
+    if parts:
+        pt = Table(title="partitions", title_justify="left")
+        for col in ("key", "scheme", "split", "clients", "samples", "seed"):
+            pt.add_column(col)
+        for k, p in parts.items():
+            pt.add_row(
+                k, p["scheme"], p["split"], str(p["clients"]), str(p["samples"]), str(p["params"].get("seed"))
+            )
+        con.print(pt)
+    else:
+        con.print("partitions: none stored (make one with `fedfeat partition`)")
+
+
+def _test_labels(st: FeatureStore) -> np.ndarray:
+    """The valid rows' labels of the store's test split (dirichlet-joint partitions it with the train split)."""
+    if "test" not in st.splits:
+        raise FedfeatError(
+            f"store {st.path} has no test split; dirichlet-joint partitions train and test together"
+        )
+    lab = st.labels("test")
+    return lab[lab >= 0]
+
+
+def store_partition(
+    st: FeatureStore,
+    *,
+    scheme: str,
+    clients: int,
+    alpha: float | None = None,
+    shards: int | None = None,
+    imbalance_factor: float | None = None,
+    shots: int | None = None,
+    seed: int | None = None,
+    split: str = "train",
+    save: bool = True,
+):
+    """Make (or load, when already stored) a partition of a store's split. Returns ``(key, Partition)``.
+
+    Rows with label -1 (images skipped as unreadable at encode time) are never given to a client.
+    """
+    from fedfeat.partition import schemes as P
+
+    if scheme not in P.SCHEMES:
+        raise FedfeatError(f"unknown partition scheme '{scheme}'; choose one of: {', '.join(P.SCHEMES)}")
+    if scheme in ("dirichlet", "dirichlet-equal", "dirichlet-joint") and alpha is None:
+        alpha = 0.5 if scheme == "dirichlet-equal" else 0.1
+    if scheme == "shard" and shards is None:
+        shards = 2
+    if scheme == "disjoint-classes" and shots is None:
+        shots = 10
+    labels = st.labels(split)
+    valid = np.flatnonzero(labels >= 0)
+    part = P.make_partition(
+        labels[valid],
+        scheme,
+        clients=clients,
+        alpha=alpha,
+        shards=shards,
+        imbalance_factor=imbalance_factor,
+        seed=seed,
+        shots=shots,
+        n_classes=st.n_classes,
+        test_labels=_test_labels(st) if scheme == "dirichlet-joint" else None,
+    )
+    if len(valid) != len(labels):  # map positions among valid rows back to split rows
+        part = P.Partition(part.scheme, part.params, [valid[c] for c in part.clients])
+    key = P.partition_key(part)
+    if save:
+        if key in st.partition_keys():
+            old = st.load_partition(key)
+            o1, f1 = old.order_and_offsets()
+            o2, f2 = part.order_and_offsets()
+            if not (np.array_equal(o1, o2) and np.array_equal(f1, f2)):
+                st.save_partition(part, split=split, key=key)
+        else:
+            st.save_partition(part, split=split, key=key)
+    return key, part
+
+
+def partition_command(
+    path: str | Path,
+    *,
+    scheme: str,
+    clients: int,
+    alpha: float | None,
+    shards: int | None,
+    imbalance_factor: float | None,
+    shots: int | None,
+    seed: int | None,
+    split: str,
+    stats: bool,
+    export: Path | None,
+    plot: Path | None,
+    view: str = "heatmap",
+    save: bool,
+) -> None:
+    """``fedfeat partition``: compute, store, describe, export and plot a partition."""
+    from fedfeat.partition import schemes as P
+
+    if view not in ("heatmap", "percent", "bars"):
+        raise FedfeatError(f"unknown --view '{view}'; choose heatmap, percent or bars")
+    for flag, target in (("--export", export), ("--plot", plot)):  # before any work or any write
+        if target is not None and not Path(target).parent.is_dir():
+            raise FedfeatError(
+                f"cannot write {target}: directory {Path(target).parent} does not exist; create it first "
+                f"or choose another {flag} path"
+            )
+    st = FeatureStore.open(path, mode="r+" if save else "r")
+    try:
+        key, part = store_partition(
+            st,
+            scheme=scheme,
+            clients=clients,
+            alpha=alpha,
+            shards=shards,
+            imbalance_factor=imbalance_factor,
+            shots=shots,
+            seed=seed,
+            split=split,
+            save=save,
+        )
+    except OSError as e:
+        raise storage_error(
+            e, path, "saving the partition", "pass --no-save to use the partition without storing it"
+        ) from None
+    labels = st.labels(split)
+    counts = part.counts(np.maximum(labels, 0), st.n_classes)  # [clients, classes]
+    sizes = part.sizes()
+    con = _console()
+    con.print(
+        f"partition [bold]{key}[/bold] of {path} ({split}): {part.n_clients} clients, {int(sizes.sum())} of "
+        f"{len(labels)} samples assigned; client sizes min {sizes.min()} / median {int(np.median(sizes))} / "
+        f"max {sizes.max()}; classes per client min {(counts > 0).sum(1).min()} / max {(counts > 0).sum(1).max()}"
+        + (" (stored)" if save else "")
+    )
+    if stats:
+        print_partition_stats(counts, st.class_names)
+    try:
+        if export is not None:
+            P.to_json(part, export)
+            con.print(f"exported client indices to {export}")
+        if plot is not None:
+            from fedfeat.report.plots import plot_partition
+
+            plot_partition(counts, st.class_names, plot, view=view, title=key)
+            con.print(f"plot: {plot}")
+    except OSError as e:
+        raise storage_error(e, e.filename or export or plot, "writing the export/plot") from None
+
+
+def print_partition_stats(counts: np.ndarray, class_names: list[str]) -> None:
+    """Per-client sample and class counts as a table (``counts  # [clients, classes]``)."""
+    con = _console()
+    K = counts.shape[1]
+    wide = K <= 20
+    t = Table(title="per-client counts", title_justify="left")
+    t.add_column("client", justify="right")
+    t.add_column("samples", justify="right")
+    t.add_column("classes", justify="right")
+    if wide:
+        for name in class_names:
+            t.add_column(name[:8], justify="right")
+    else:
+        t.add_column("top classes (count)")
+    for i, row in enumerate(counts):
+        cells = [str(i), str(int(row.sum())), str(int((row > 0).sum()))]
+        if wide:
+            cells += [str(int(v)) if v else "." for v in row]
+        else:
+            top = np.argsort(-row)[:5]
+            cells.append(", ".join(f"{class_names[k]} ({row[k]})" for k in top if row[k]))
+        t.add_row(*cells)
+    con.print(t)

@@ -1,0 +1,1104 @@
+"""The feature store: one zarr v3 directory per dataset x backbone x weights.
+
+Layout (``FORMAT_VERSION`` 2)::
+
+    STORE.zarr/                      group attrs: see ``REQUIRED_ATTRS`` (+ "complete", "finite", "fingerprint_hash")
+      <split>/features  [N, D] float16   unnormalised embeddings, row chunks of >= 1 MiB, zstd-1
+      <split>/labels    [N]    int64     class ids; -1 marks a row skipped as unreadable (``encode --skip-bad``)
+      <split>/labels_crc [1]   uint64    DONE_BIT | crc32 of the labels' bytes
+      <split>/done      [n_chunks] uint64  0 = pending; DONE_BIT | crc32 of the chunk's float16 bytes once that
+                                         feature chunk is written whole (one file per entry)
+      text/features     [T, K, D] float16  one class embedding per template x class
+      text/done         [1] uint64       DONE_BIT | crc32 of the text features
+      sources/          attrs "files": {name: [size, content hash]} of the dataset files read (``encode``)
+      partitions/<key>/order    [M] int64   client-major sample positions into the split
+      partitions/<key>/offsets  [clients + 1] int64   client i holds order[offsets[i]:offsets[i+1]]
+                                            attrs: scheme, params (incl. seed), split
+
+Crash safety: a writer fills a whole feature chunk, then sets its ``done`` entry (which carries the chunk's
+checksum: one small file, written last); the group's ``complete`` attribute is set last, after every chunk
+and the text embeddings are done. ``open`` refuses a store whose ``complete`` flag is not set. Several
+processes may write at once as long as each owns whole chunks and their ``done`` entries (zarr silently
+loses data when two writers share a chunk).
+
+Integrity (why format version 2): zarr reads a missing chunk file as zeros, so a deleted or truncated store
+would otherwise train on all-zero features. Every feature chunk, the labels and the text features carry a
+crc32 of their bytes, written by the process that wrote the data. ``features(split)``, ``text_features()``
+and ``labels(split)`` verify the checksums of everything they read (crc32 runs at > 1 GB/s; the decode costs
+more) and refuse non-finite values; ``features_rows`` reads and verifies whole chunks; ``verify()`` (``fedfeat
+info --verify``) checks everything. A failure is a one-line ``FedfeatError`` naming the split, the chunk and its
+rows (or the first non-finite row) and how to rebuild. Non-finite features are refused when written, and a
+complete store records ``finite: true``; a complete store without that record is scanned once on open (and the
+result recorded when it is opened writable). Stores of format version 1 (no checksums) are refused with the
+rebuild message: their contents cannot be verified.
+
+Read-only use: ``open(path, mode="r")`` (the default) never writes anything (no lock files, attributes or zarr
+metadata), so stores on read-only filesystems can be read and partitioned in memory.
+
+Where a store lives (``store_location``): a local path (``~`` expanded; a ``file://`` URL is the same local path),
+or an fsspec URL -- ``memory://``, ``s3://`` (needs ``s3fs``), ``gs://`` (needs ``gcsfs``), any protocol fsspec
+knows -- which zarr reads and writes through ``zarr.storage.FsspecStore``; credentials and options come from the
+filesystem's usual configuration (environment variables, config files, ``FSSPEC_<PROTOCOL>_<OPTION>`` variables).
+A missing filesystem package is a one-line error naming it. ``FeatureStore.path`` is a ``Path`` for local stores and
+the URL string for the others. Crash safety on object stores: there is no atomic rename, but every object (a
+chunk, a done entry, a ``zarr.json``) is written by one whole PUT, which S3 and GCS make visible all at once and
+read back consistently; the write order above (chunk, then its done entry, ``complete`` last) and the checksums
+keep their meaning, so an interrupted encode resumes and an incomplete store is never read as complete. What an
+object store lacks is an exclusive create: ``STORE.lock`` is advisory there (written, then read back; two encodes
+started within the same instant can both proceed), so run one encode per store URL.
+
+Example::
+
+    >>> st = FeatureStore.open("cache/synth-cifar10.zarr")
+    >>> st.features("train").shape, st.class_names[:2]
+    ((50000, 1024), ['airplane', 'automobile'])
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+from zarr.codecs import ZstdCodec
+
+from fedfeat.errors import FedfeatError
+
+FORMAT_VERSION = 2
+MIN_CHUNK_BYTES = 1 << 20  # a feature chunk is at least 1 MiB (fewer, larger files; zarr reads whole chunks)
+DONE_BIT = 1 << 32  # a done entry is DONE_BIT | crc32: never 0 (zarr's fill value for a missing entry)
+_F16_EXP = np.uint16(0x7C00)  # float16 exponent bits: all set means inf or NaN
+
+REQUIRED_ATTRS = (
+    "format_version",
+    "backbone",  # open_clip architecture name, or "synthetic"
+    "pretrained",  # open_clip tag, checkpoint file name, or "none"
+    "embed_dim",
+    "logit_scale",  # the model's exp(logit_scale), e.g. 100.0 for CLIP
+    "class_names",
+    "templates",  # prompt templates, one per row of text/features
+    "preprocessing",  # dict describing the image transform
+    "fingerprint",  # dict: everything that determines the contents
+    "splits",  # dict split -> number of rows
+)
+
+# errno -> (what happened, what to do), for writes that fail on the filesystem
+_OS_ADVICE = {
+    errno.ENOSPC: ("no space left on device", "free space or choose another location"),
+    errno.EDQUOT: ("disk quota exceeded", "free space or choose another location"),
+    errno.EROFS: ("read-only file system", "choose a writable location"),
+    errno.EACCES: ("permission denied", "fix the permissions or choose a writable location"),
+    errno.EPERM: ("operation not permitted", "fix the permissions or choose a writable location"),
+}
+
+
+def storage_error(e: OSError, path: str | Path, action: str, fix: str | None = None) -> FedfeatError:
+    """A one-line ``FedfeatError`` for an ``OSError`` raised while ``action`` at ``path``.
+
+    Example::
+
+        >>> str(storage_error(OSError(28, "No space left on device"), "cache/s.zarr", "writing the store"))
+        'cannot finish writing the store at cache/s.zarr: no space left on device; free space or choose ...'
+    """
+    what, advice = _OS_ADVICE.get(e.errno, (e.strerror or str(e), "check the path and the filesystem"))
+    where = f"{path}" + (f" ({e.filename})" if e.filename and str(e.filename) != str(path) else "")
+    return FedfeatError(f"cannot finish {action} at {where}: {what}; {fix or advice}")
+
+
+def crc(a: np.ndarray) -> int:
+    """crc32 of an array's C-order bytes (the checksum stored beside every chunk)."""
+    return zlib.crc32(np.ascontiguousarray(a).view(np.uint8).reshape(-1)) & 0xFFFFFFFF
+
+
+def first_nonfinite_row(a: np.ndarray) -> int | None:
+    """Index of the first row (along axis 0) holding NaN or inf, or None (float16 via its exponent bits)."""
+    a = np.asarray(a)
+    if a.dtype == np.float16:
+        bad = (a.view(np.uint16) & _F16_EXP) == _F16_EXP
+    else:
+        bad = ~np.isfinite(a)
+    if not bad.any():
+        return None
+    return int(np.flatnonzero(bad.reshape(len(a), -1).any(axis=1))[0])
+
+
+def fingerprint_hash(fingerprint: dict) -> str:
+    """A short stable hash of a fingerprint dict (canonical JSON, sha256)."""
+    blob = json.dumps(fingerprint, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def default_chunk_rows(embed_dim: int) -> int:
+    """Rows per feature chunk: the smallest power of two whose float16 chunk is >= 1 MiB."""
+    rows = MIN_CHUNK_BYTES / (2 * embed_dim)
+    return 1 << max(0, math.ceil(math.log2(rows)))
+
+
+# ---------------------------------------------------------------------------------------- where a store lives
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+# protocol -> the package fsspec needs for it (named in the error when it is missing)
+FSSPEC_PACKAGES = {
+    "s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
+    "abfss": "adlfs", "adl": "adlfs", "http": "aiohttp", "https": "aiohttp", "sftp": "paramiko",
+}  # fmt: skip
+
+
+def is_url(path: str | Path) -> bool:
+    """True for a store at an fsspec URL other than ``file://`` (``memory://``, ``s3://``, ``gs://`` ...)."""
+    if isinstance(path, Path):
+        return False
+    m = _URL.match(os.fspath(path))
+    return m is not None and m.group(1).lower() not in ("file", "local")
+
+
+def store_location(path: str | Path) -> Path | str:
+    """Where a store lives: a local ``Path`` (``~`` expanded; ``file:///abs/x.zarr`` is ``/abs/x.zarr``) or, for
+    any other fsspec URL, the URL itself (without a trailing ``/``); an unknown protocol or a missing filesystem
+    package (``s3fs``, ``gcsfs``) is a one-line error.
+
+    Example::
+
+        >>> store_location("file:///data/c.zarr"), store_location("s3://bucket/c.zarr/")
+        (PosixPath('/data/c.zarr'), 's3://bucket/c.zarr')
+    """
+    if isinstance(path, Path):
+        return path.expanduser()
+    s = os.fspath(path)
+    m = _URL.match(s)
+    if m is None:
+        return Path(s).expanduser()
+    if m.group(1).lower() in ("file", "local"):
+        rest = s[m.end() :]
+        if rest.startswith("localhost/"):
+            rest = rest[len("localhost") :]
+        from urllib.parse import unquote
+
+        return Path(unquote(rest) or "/").expanduser()
+    url = s.rstrip("/")
+    url_filesystem(url)  # fail now, in one line, when its filesystem package is missing
+    return url
+
+
+def url_filesystem(url: str):
+    """``(fsspec filesystem, path inside it)`` of a store URL (``is_url``)."""
+    proto = url.split("://", 1)[0].lower()
+    try:
+        import fsspec
+    except ImportError:
+        raise FedfeatError(f"store URL {url} needs the fsspec package: pip install fsspec") from None
+    try:
+        return fsspec.core.url_to_fs(url)
+    except ImportError as e:
+        pkg = FSSPEC_PACKAGES.get(proto) or getattr(e, "name", None) or "its fsspec filesystem package"
+        raise FedfeatError(
+            f"store URL {url} needs the optional package {pkg} for {proto}://: pip install {pkg}"
+        ) from None
+    except ValueError as e:
+        raise FedfeatError(
+            f"store URL {url}: {e}; use a local path or an fsspec URL (file://, memory://, s3:// with s3fs, "
+            "gs:// with gcsfs)"
+        ) from None
+
+
+def store_name(path: str | Path) -> str:
+    """The last component of a store's path or URL (``cache/c.zarr`` and ``s3://b/c.zarr`` -> ``c.zarr``)."""
+    return os.fspath(path).rstrip("/").rsplit("/", 1)[-1]
+
+
+def canonical_store(path: str | Path) -> str:
+    """A store's location as recorded in run configs: an absolute local path, or the URL as given."""
+    loc = store_location(path)
+    return str(loc.resolve()) if isinstance(loc, Path) else loc
+
+
+def store_exists(path: str | Path) -> bool:
+    """Whether anything (a store, a directory, a file) is at ``path``."""
+    loc = store_location(path)
+    if isinstance(loc, Path):
+        return loc.exists()
+    fs, p = url_filesystem(loc)
+    try:
+        return bool(fs.exists(p))
+    except OSError as e:
+        raise storage_error(e, loc, "looking for the store", "check the URL and your credentials") from None
+    except Exception as e:  # a filesystem's own errors (missing credentials, bad endpoint): one line
+        raise _url_error(loc, e) from None
+
+
+def _url_error(url: str, e: Exception) -> FedfeatError:
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    return FedfeatError(
+        f"cannot read {url} ({type(e).__name__}: {first}); check the URL, the network and your credentials "
+        "(the filesystem's usual configuration, e.g. AWS_* variables for s3://, or FSSPEC_<PROTOCOL>_<OPTION>)"
+    )
+
+
+def group_meta(path: str | Path) -> dict | None:
+    """The ``zarr.json`` document at ``path`` (a dict), or ``None`` when there is none or it does not parse."""
+    loc = store_location(path)
+    try:
+        if isinstance(loc, Path):
+            meta = loc / "zarr.json"
+            if not meta.is_file():
+                return None
+            raw = meta.read_bytes()
+        else:
+            fs, p = url_filesystem(loc)
+            try:
+                raw = fs.cat_file(f"{p}/zarr.json")
+            except (OSError, ValueError):
+                raise
+            except Exception as e:  # a filesystem's own errors (missing credentials, bad endpoint): one line
+                raise _url_error(loc, e) from None
+        doc = json.loads(raw)
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def is_store(path: str | Path) -> bool:
+    """True when ``path`` (a local path or a store URL) holds a fedfeat store (complete or not)."""
+    doc = group_meta(path)
+    attrs = doc.get("attributes", {}) if doc is not None else None
+    return isinstance(attrs, dict) and "format_version" in attrs
+
+
+class FeatureStore:
+    """A fedfeat feature store on disk or at an fsspec URL. Use ``create`` to start one and ``open`` to read one."""
+
+    def __init__(self, path: Path | str, group: zarr.Group, mode: str = "r"):
+        self.path = path
+        self._g = group
+        self._mode = mode
+        self._attrs = dict(group.attrs)
+
+    # ------------------------------------------------------------------ creation / opening
+    @classmethod
+    def create(
+        cls,
+        path: str | Path,
+        *,
+        backbone: str,
+        pretrained: str,
+        embed_dim: int,
+        logit_scale: float,
+        class_names: list[str],
+        templates: list[str],
+        preprocessing: dict,
+        fingerprint: dict,
+        labels: dict[str, np.ndarray],
+        chunk_rows: int | None = None,
+        extra_attrs: dict | None = None,
+        sources: dict | None = None,
+        overwrite: bool = False,
+        pixels: dict | None = None,
+    ) -> FeatureStore:
+        """Create an empty, incomplete store with its labels written and its feature chunks pending.
+
+        ``labels`` maps each split name ("train", "test", ...) to its ``[N]`` label array; the
+        feature arrays are pre-sized (one process creates, writers only fill whole chunks).
+        ``sources``: ``{file name: [size, content hash]}`` of the dataset files (``encode``).
+        ``pixels``: ``{"size": [H, W], "mean": [3], "std": [3]}`` to also keep every image as the model's uint8 input
+        after its resize and centre crop (``encode --pixels``; live image methods read them).
+        """
+        path = store_location(path)
+        if isinstance(path, Path):
+            if path.exists():
+                if not overwrite:
+                    raise FedfeatError(f"{path} already exists; pass --force to replace it")
+                if path.is_dir():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+            path.parent.mkdir(parents=True, exist_ok=True)
+        elif store_exists(path):  # an object store has no directories: the prefix's objects go
+            if not overwrite:
+                raise FedfeatError(f"{path} already exists; pass --force to replace it")
+            fs, p = url_filesystem(path)
+            fs.rm(p, recursive=True)
+        chunk_rows = int(chunk_rows or default_chunk_rows(embed_dim))
+        g = zarr.open_group(str(path), mode="w", zarr_format=3)
+        attrs: dict[str, Any] = {
+            "format_version": FORMAT_VERSION,
+            "backbone": backbone,
+            "pretrained": pretrained,
+            "embed_dim": int(embed_dim),
+            "logit_scale": float(logit_scale),
+            "class_names": list(class_names),
+            "templates": list(templates),
+            "preprocessing": preprocessing,
+            "fingerprint": fingerprint,
+            "fingerprint_hash": fingerprint_hash(fingerprint),
+            "splits": {k: int(len(v)) for k, v in labels.items()},
+            "chunk_rows": chunk_rows,
+            "complete": False,
+        }
+        attrs.update(extra_attrs or {})
+        if pixels is not None:
+            attrs["pixels"] = {"size": [int(v) for v in pixels["size"]], "mean": [float(v) for v in pixels["mean"]],
+                               "std": [float(v) for v in pixels["std"]]}  # fmt: skip
+        st = cls(path, g, mode="w")
+        for split, lab in labels.items():
+            lab = np.asarray(lab, dtype=np.int64)
+            n = len(lab)
+            if n == 0:
+                raise FedfeatError(f"split '{split}' has no samples; check the dataset root")
+            sg = g.require_group(split)
+            sg.create_array(
+                "features",
+                shape=(n, embed_dim),
+                chunks=(min(chunk_rows, n), embed_dim),
+                dtype="float16",
+                compressors=ZstdCodec(level=1),
+                fill_value=0,
+            )
+            sg.create_array("labels", shape=(n,), chunks=(max(n, 1),), dtype="int64", fill_value=-1)
+            sg.create_array("labels_crc", shape=(1,), chunks=(1,), dtype="uint64", fill_value=0)
+            st._write_labels(split, lab)
+            sg.create_array(
+                "done", shape=(math.ceil(n / chunk_rows),), chunks=(1,), dtype="uint64", fill_value=0
+            )
+            if pixels is not None:
+                H, W = (int(v) for v in pixels["size"])
+                sg.create_array(
+                    "pixels",
+                    shape=(n, 3, H, W),
+                    chunks=(min(chunk_rows, n), 3, H, W),
+                    dtype="uint8",
+                    compressors=ZstdCodec(level=1),
+                    fill_value=0,
+                )
+                sg.create_array(
+                    "pixels_crc",
+                    shape=(math.ceil(n / chunk_rows),),
+                    chunks=(1,),
+                    dtype="uint64",
+                    fill_value=0,
+                )
+        tg = g.require_group("text")
+        tg.create_array(
+            "features",
+            shape=(len(templates), len(class_names), embed_dim),
+            chunks=(len(templates), len(class_names), embed_dim),
+            dtype="float16",
+            compressors=ZstdCodec(level=1),
+            fill_value=0,
+        )
+        tg.create_array("done", shape=(1,), chunks=(1,), dtype="uint64", fill_value=0)
+        g.require_group("partitions")
+        g.require_group("sources").attrs.update({"files": sources or {}})
+        # attributes last: a half-created store has no format_version and is "not a store"
+        g.attrs.update(attrs)
+        st._refresh()
+        return st
+
+    @classmethod
+    def open(cls, path: str | Path, *, mode: str = "r", allow_incomplete: bool = False) -> FeatureStore:
+        """Open an existing store; refuse paths that are not stores, other format versions and
+        (unless ``allow_incomplete``) stores whose writing never finished.
+
+        ``mode="r"`` (the default) never writes to the store or next to it: it works on read-only
+        filesystems. ``mode="r+"`` is for writers (``encode``, saving partitions).
+        """
+        path = store_location(path)
+        if not store_exists(path):
+            raise FedfeatError(
+                f"no store at {path}; create one with `fedfeat synth --out {path}` or `fedfeat encode`"
+                if isinstance(path, Path)
+                else f"no store at {path}; write one there with `fedfeat encode --out URL`, or copy a store there"
+            )
+        if not is_store(path):
+            raise FedfeatError(
+                f"{path} is not a fedfeat store (no store attributes in zarr.json); "
+                "point to a directory made by `fedfeat synth` or `fedfeat encode`"
+            )
+        try:
+            g = zarr.open_group(str(path), mode=mode, zarr_format=3)
+        except OSError as e:
+            raise storage_error(e, path, "opening the store", "open it with mode 'r' (read only)") from None
+        except Exception as e:
+            if not isinstance(path, Path):  # a remote store: more likely the connection or credentials
+                first = (str(e).strip().splitlines() or [""])[0][:200]
+                raise FedfeatError(
+                    f"cannot open store {path} ({type(e).__name__}: {first}); check the URL, your credentials, "
+                    "or rebuild it with `fedfeat encode --force`"
+                ) from None
+            # unreadable zarr metadata: the store is damaged, not the program
+            raise FedfeatError(
+                f"store {path} is damaged ({type(e).__name__}: {e}); rebuild it with `fedfeat encode --force` "
+                "(or `fedfeat synth --force`)"
+            ) from None
+        st = cls(path, g, mode=mode)
+        version = st._attrs.get("format_version")
+        if version != FORMAT_VERSION:
+            raise FedfeatError(
+                f"{path} has store format version {version}, this fedfeat reads version {FORMAT_VERSION}; "
+                f"rebuild it with this version's {st._rebuild_hint()}"
+            )
+        missing = [k for k in REQUIRED_ATTRS if k not in st._attrs]
+        if missing:
+            raise st._damaged(f"its attributes lack {', '.join(missing)}")
+        if not allow_incomplete and not st.complete:
+            raise FedfeatError(
+                f"{path} is incomplete (its writing was interrupted); re-run the same `fedfeat encode` "
+                "command to resume it, or `fedfeat synth --force` for a synthetic store"
+            )
+        if st.complete and st._attrs.get("finite") is not True:
+            st._check_finite_once()
+        return st
+
+    def _rebuild_hint(self) -> str:
+        if self._attrs.get("backbone") == "synthetic":
+            return "`fedfeat synth --force`"
+        return "`fedfeat encode --force` (or `fedfeat synth --force` for a synthetic store)"
+
+    def _damaged(self, what: str) -> FedfeatError:
+        return FedfeatError(f"store {self.path}: {what}; rebuild the store with {self._rebuild_hint()}")
+
+    def _arr(self, name: str) -> zarr.Array:
+        """The array ``name``; a missing or unreadable one means a damaged store (one-line error)."""
+        try:
+            return self._g[name]
+        except Exception as e:  # zarr raises KeyError, ValueError, JSON errors... for broken metadata
+            raise self._damaged(f"array {name} is missing or unreadable ({type(e).__name__})") from None
+
+    def _read(self, name: str, sel=slice(None), what: str = "") -> np.ndarray:
+        arr = self._arr(name)
+        try:
+            return np.asarray(arr[sel])
+        except OSError as e:
+            raise storage_error(e, self.path, f"reading {name}") from None
+        except Exception as e:  # a chunk that does not decode (truncated or overwritten file)
+            where = f"{name} {what}".strip()
+            raise self._damaged(f"{where} does not decode ({type(e).__name__}: {e})") from None
+
+    def _read_chunk(self, split: str, i: int) -> np.ndarray:
+        sl = self.chunk_slice(split, i)
+        return self._read(f"{split}/features", sl, f"chunk {i} (rows {sl.start}-{sl.stop - 1})")
+
+    def _check_finite_once(self) -> None:
+        """A complete store without the ``finite`` record: scan it, record the result when writable."""
+        for split in self.splits:
+            self._refuse_nonfinite(f"{split}/features", self._read(f"{split}/features"))
+        self._refuse_nonfinite("text/features", self._read("text/features"))
+        if self._mode != "r":
+            self.update_attrs(finite=True)
+
+    def _refuse_nonfinite(self, name: str, a: np.ndarray, row0: int = 0) -> None:
+        r = first_nonfinite_row(a)
+        if r is not None:
+            where = (
+                f"row {row0 + r}"
+                if a.ndim == 2
+                else f"template {r}, class {first_nonfinite_row(a[r])}"  # text: [T, K, D]
+            )
+            raise self._damaged(f"{name} {where} is not finite (NaN or inf)")
+
+    # ------------------------------------------------------------------ attributes
+    @property
+    def attrs(self) -> dict:
+        return dict(self._attrs)
+
+    def _refresh(self) -> None:
+        self._attrs = dict(self._g.attrs)
+
+    @property
+    def complete(self) -> bool:
+        return bool(self._attrs.get("complete", False))
+
+    @property
+    def embed_dim(self) -> int:
+        return int(self._attrs["embed_dim"])
+
+    @property
+    def class_names(self) -> list[str]:
+        return list(self._attrs["class_names"])
+
+    @property
+    def n_classes(self) -> int:
+        return len(self._attrs["class_names"])
+
+    @property
+    def templates(self) -> list[str]:
+        return list(self._attrs["templates"])
+
+    @property
+    def logit_scale(self) -> float:
+        return float(self._attrs["logit_scale"])
+
+    @property
+    def fingerprint(self) -> dict:
+        return dict(self._attrs["fingerprint"])
+
+    @property
+    def splits(self) -> list[str]:
+        return list(self._attrs["splits"])
+
+    def n(self, split: str) -> int:
+        self._check_split(split)
+        return int(self._attrs["splits"][split])
+
+    def _check_split(self, split: str) -> None:
+        if split not in self._attrs["splits"]:
+            raise FedfeatError(f"store {self.path} has no split '{split}'; it has: {', '.join(self.splits)}")
+
+    def sources(self) -> dict:
+        """``{file name: [size, content hash]}`` of the dataset files the store was encoded from."""
+        try:
+            return dict(self._g["sources"].attrs.get("files", {}))
+        except KeyError:
+            return {}
+
+    def set_sources(self, files: dict) -> None:
+        self._g.require_group("sources").attrs.update({"files": files})
+
+    # ------------------------------------------------------------------ chunked writing
+    @property
+    def chunk_rows(self) -> int:
+        return int(self._attrs["chunk_rows"])
+
+    def n_chunks(self, split: str) -> int:
+        return math.ceil(self.n(split) / self.chunk_rows)
+
+    def chunk_slice(self, split: str, i: int) -> slice:
+        """Rows of feature chunk ``i`` of ``split``."""
+        r = self.chunk_rows
+        return slice(i * r, min((i + 1) * r, self.n(split)))
+
+    def _done(self, split: str) -> np.ndarray:
+        """``[n_chunks]`` uint64 done entries (0: pending, else DONE_BIT | crc32)."""
+        self._check_split(split)
+        return self._read(f"{split}/done").astype(np.uint64)
+
+    def done_chunks(self, split: str) -> np.ndarray:
+        """``[n_chunks]`` bool: which feature chunks are written whole."""
+        return self._done(split) != 0
+
+    @property
+    def has_pixels(self) -> bool:
+        return "pixels" in self.attrs
+
+    def write_chunk(self, split: str, i: int, feats: np.ndarray, pixels: np.ndarray | None = None) -> None:
+        """Write feature chunk ``i`` whole (``feats  # [rows, D]``), then record it as done with its checksum.
+        A store with pixels takes the chunk's ``pixels  # [rows, 3, H, W]`` uint8 too, written (with their own
+        checksum) before the features: a chunk is done only when both are.
+
+        Non-finite values (also float16 overflow) are refused: a store holds finite features only.
+        """
+        sl = self.chunk_slice(split, i)
+        if self.has_pixels:
+            H, W = self.attrs["pixels"]["size"]
+            px = np.ascontiguousarray(pixels, dtype=np.uint8) if pixels is not None else None
+            if px is None or px.shape != (sl.stop - sl.start, 3, H, W):
+                raise ValueError(
+                    f"chunk {i} of {split} needs pixels of shape {(sl.stop - sl.start, 3, H, W)}"
+                )
+            self._g[f"{split}/pixels"][sl] = px
+            self._g[f"{split}/pixels_crc"][i] = DONE_BIT | crc(px)
+        feats = np.asarray(feats)
+        if feats.shape != (sl.stop - sl.start, self.embed_dim):
+            raise ValueError(
+                f"chunk {i} of {split} needs shape {(sl.stop - sl.start, self.embed_dim)}, got {feats.shape}"
+            )
+        with np.errstate(over="ignore"):  # beyond float16's range becomes inf, refused just below
+            f16 = np.ascontiguousarray(feats.astype(np.float16))
+        r = first_nonfinite_row(f16)
+        if r is not None:
+            raise FedfeatError(
+                f"store {self.path}: refusing to write {split}/features row {sl.start + r}: not finite "
+                "(NaN or inf, or beyond float16's range)"
+            )
+        self._g[f"{split}/features"][sl] = f16
+        self._g[f"{split}/done"][i] = DONE_BIT | crc(f16)
+
+    def clear_chunks(self, split: str, chunks) -> None:
+        """Mark chunks pending again (their features are re-encoded); the store becomes incomplete."""
+        self.update_attrs(complete=False)
+        for i in chunks:
+            self._g[f"{split}/done"][int(i)] = 0
+
+    def _write_labels(self, split: str, labels: np.ndarray) -> None:
+        labels = np.ascontiguousarray(labels, dtype=np.int64)
+        self._g[f"{split}/labels"][:] = labels
+        self._g[f"{split}/labels_crc"][0] = DONE_BIT | crc(labels)
+
+    def set_labels(self, split: str, rows: slice, labels: np.ndarray) -> None:
+        """Overwrite labels of ``rows`` (used to mark unreadable images with -1); one process only."""
+        full = self.labels(split).copy()
+        full[rows] = np.asarray(labels, dtype=np.int64)
+        self._write_labels(split, full)
+
+    def write_text(self, feats: np.ndarray) -> None:
+        """Write the class-prompt embeddings ``feats  # [T, K, D]`` and record them as done."""
+        want = (len(self.templates), self.n_classes, self.embed_dim)
+        if tuple(feats.shape) != want:
+            raise ValueError(f"text features need shape {want}, got {tuple(feats.shape)}")
+        with np.errstate(over="ignore"):
+            f16 = np.ascontiguousarray(np.asarray(feats).astype(np.float16))
+        r = first_nonfinite_row(f16.reshape(-1, self.embed_dim))
+        if r is not None:
+            raise FedfeatError(
+                f"store {self.path}: refusing to write text/features template {r // self.n_classes}, "
+                f"class {r % self.n_classes}: not finite (NaN or inf)"
+            )
+        self._g["text/features"][:] = f16
+        self._g["text/done"][0] = DONE_BIT | crc(f16)
+
+    def text_done(self) -> bool:
+        return bool(self._read("text/done")[0])
+
+    def missing(self) -> dict[str, int]:
+        """Pending work: split -> number of chunks not yet done (and "text" -> 1 if pending)."""
+        out = {s: int((~self.done_chunks(s)).sum()) for s in self.splits}
+        out["text"] = 0 if self.text_done() else 1
+        return out
+
+    def update_attrs(self, **attrs: Any) -> None:
+        self._g.attrs.update(attrs)
+        self._refresh()
+
+    def mark_complete(self) -> None:
+        """Set the complete flag, after checking that every chunk and the text embeddings are done."""
+        pending = {k: v for k, v in self.missing().items() if v}
+        if pending:
+            raise RuntimeError(f"cannot mark {self.path} complete: pending chunks {pending}")
+        self.update_attrs(complete=True, finite=True)  # write_chunk / write_text refuse non-finite values
+
+    # ------------------------------------------------------------------ reading (verified)
+    def _check_chunk(self, split: str, i: int, block: np.ndarray, entry: int) -> None:
+        """Refuse chunk ``i`` of ``split`` (``block  # [rows, D]`` float16) unless it is finite and its
+        checksum matches the one recorded when it was written."""
+        sl = self.chunk_slice(split, i)
+        self._refuse_nonfinite(f"{split}/features", block, sl.start)
+        rows = f"rows {sl.start}-{sl.stop - 1}"
+        if entry == 0:
+            if self.complete:
+                raise self._damaged(
+                    f"{split}/features chunk {i} ({rows}) has no checksum record (its done entry is missing)"
+                )
+            raise FedfeatError(
+                f"store {self.path}: {split}/features chunk {i} ({rows}) is not written yet; "
+                "resume the store with the same `fedfeat encode` command"
+            )
+        if DONE_BIT | crc(block) != entry:
+            raise self._damaged(
+                f"{split}/features chunk {i} ({rows}) does not match its checksum "
+                "(chunk file missing, truncated or changed)"
+            )
+
+    def features(self, split: str) -> np.ndarray:
+        """All features of ``split``: ``[N, D]`` float16, unnormalised.
+
+        Every chunk is verified against its checksum and for finite values; a failure raises a one-line
+        ``FedfeatError`` naming the split, the chunk and its rows (or the first non-finite row).
+        """
+        self._check_split(split)
+        memo = getattr(self, "memo", None)  # a sweep's session keeps verified splits in memory (read-only)
+        if memo is not None and ("features", split) in memo:
+            return memo[("features", split)]
+        done = self._done(split)
+        try:
+            out = self._read(f"{split}/features")  # [N, D]: one read is faster than one per chunk
+        except FedfeatError:  # a chunk that does not decode: find it, to name it
+            for i in range(len(done)):
+                self._read_chunk(split, i)
+            raise
+        for i in range(len(done)):
+            self._check_chunk(split, i, out[self.chunk_slice(split, i)], int(done[i]))
+        if memo is not None:
+            out.setflags(write=False)
+            memo[("features", split)] = out
+        return out
+
+    def features_rows(self, split: str, rows: np.ndarray) -> np.ndarray:
+        """Features of the given rows only: reads (and verifies) only the chunks holding them."""
+        self._check_split(split)
+        rows = np.asarray(rows, dtype=np.int64)
+        n = self.n(split)
+        if len(rows) and (rows.min() < 0 or rows.max() >= n):
+            raise IndexError(f"rows outside 0..{n - 1} of split {split}")
+        out = np.empty((len(rows), self.embed_dim), dtype=np.float16)
+        done = self._done(split)
+        chunk_of = rows // self.chunk_rows
+        for i in np.unique(chunk_of):
+            sl = self.chunk_slice(split, int(i))
+            block = self._read_chunk(split, int(i))
+            self._check_chunk(split, int(i), block, int(done[i]))
+            sel = chunk_of == i
+            out[sel] = block[rows[sel] - sl.start]
+        return out
+
+    def pixels(self, split: str, rows) -> np.ndarray:
+        """The stored model inputs of ``rows``: ``[n, 3, H, W]`` uint8 after the model's resize and centre crop
+        (``normalize_pixels`` makes them the model's float input); the chunks read are checked against their
+        checksums."""
+        if not self.has_pixels:
+            raise FedfeatError(
+                f"store {self.path} keeps no pixels; re-encode it with `fedfeat encode ... --pixels` (live image "
+                "methods read images from the store)"
+            )
+        self._check_split(split)
+        rows = np.asarray(rows, dtype=np.int64)
+        H, W = self.attrs["pixels"]["size"]
+        out = np.empty((len(rows), 3, H, W), dtype=np.uint8)
+        crcs = self._read(f"{split}/pixels_crc").astype(np.uint64)
+        chunk_of = rows // self.chunk_rows
+        for c in np.unique(chunk_of):
+            sl = self.chunk_slice(split, int(c))
+            block = self._read(f"{split}/pixels", sl, f"chunk {int(c)}")
+            if DONE_BIT | crc(np.ascontiguousarray(block)) != int(crcs[c]):
+                raise self._damaged(f"{split}/pixels chunk {int(c)} does not match its checksum")
+            sel = chunk_of == c
+            out[sel] = block[rows[sel] - sl.start]
+        return out
+
+    def labels(self, split: str) -> np.ndarray:
+        """``[N]`` int64 labels of ``split`` (-1: row skipped as unreadable), checked against their checksum."""
+        self._check_split(split)
+        lab = self._read(f"{split}/labels")
+        entry = int(self._read(f"{split}/labels_crc")[0])
+        if entry != DONE_BIT | crc(lab.astype(np.int64)):
+            raise self._damaged(
+                f"{split}/labels (rows 0-{len(lab) - 1}) does not match its checksum "
+                "(chunk file missing, truncated or changed)"
+            )
+        return lab
+
+    def text_features(self) -> np.ndarray:
+        """``[T, K, D]`` float16 class-prompt embeddings, unnormalised; verified like ``features``."""
+        text = self._read("text/features")
+        self._refuse_nonfinite("text/features", text)
+        entry = int(self._read("text/done")[0])
+        if entry == 0 and not self.complete:
+            raise FedfeatError(f"store {self.path}: text/features are not written yet; resume the store")
+        if entry != DONE_BIT | crc(text):
+            raise self._damaged(
+                "text/features does not match its checksum (chunk file missing, truncated or changed)"
+            )
+        return text
+
+    def verify(self, log=None) -> dict:
+        """Check every written chunk, the labels and the text features (``fedfeat info --verify``).
+
+        Raises a one-line ``FedfeatError`` at the first problem; returns counts of what was checked.
+        Pending chunks of an incomplete store are skipped (they are not written yet).
+        """
+        checked = {"chunks": 0, "rows": 0}
+        for split in self.splits:
+            self.labels(split)
+            done = self._done(split)
+            for i in np.flatnonzero(done != 0) if not self.complete else range(len(done)):
+                sl = self.chunk_slice(split, int(i))
+                self._check_chunk(split, int(i), self._read_chunk(split, int(i)), int(done[i]))
+                checked["chunks"] += 1
+                checked["rows"] += sl.stop - sl.start
+        if self.complete or self.text_done():
+            self.text_features()
+            checked["text"] = 1
+        return checked
+
+    # ------------------------------------------------------------------ partitions
+    def save_partition(self, partition, split: str = "train", key: str | None = None) -> str:
+        """Store a ``fedfeat.partition.schemes.Partition`` of ``split`` under ``partitions/<key>``."""
+        from fedfeat.partition.schemes import partition_key
+
+        self._check_split(split)
+        key = key or partition_key(partition)
+        order, offsets = partition.order_and_offsets()
+        # probe first: on a read-only store zarr's concurrent writes fail in background tasks that print their
+        # own tracebacks ("Task exception was never retrieved") beside the caller's one-line error
+        if isinstance(self.path, Path):
+            probe = self.path / f".write-probe-{os.getpid()}"
+            probe.touch()
+            probe.unlink()
+        else:
+            fs, p = url_filesystem(self.path)
+            fs.pipe_file(f"{p}/.write-probe-{os.getpid()}", b"")
+            fs.rm_file(f"{p}/.write-probe-{os.getpid()}")
+        pg = self._g.require_group("partitions")
+        if key in pg:
+            del pg[key]
+        kg = pg.require_group(key)
+        kg.create_array("order", shape=order.shape, chunks=(max(len(order), 1),), dtype="int64", fill_value=0)
+        kg["order"][:] = order
+        kg.create_array("offsets", shape=offsets.shape, chunks=(len(offsets),), dtype="int64", fill_value=0)
+        kg["offsets"][:] = offsets
+        kg.attrs.update(
+            {
+                "scheme": partition.scheme,
+                "params": partition.params,
+                "split": split,
+                "crc": {"order": crc(order.astype(np.int64)), "offsets": crc(offsets.astype(np.int64))},
+                "complete": True,
+            }
+        )
+        return key
+
+    def partition_keys(self) -> list[str]:
+        if "partitions" not in self._g:
+            return []
+        pg = self._arr("partitions")
+        return sorted(k for k, sub in pg.groups() if sub.attrs.get("complete"))
+
+    def _partition_array(self, key: str, name: str, attrs: dict) -> np.ndarray:
+        a = self._read(f"partitions/{key}/{name}").astype(np.int64)
+        want = attrs.get("crc", {}).get(name)
+        if want is not None and crc(a) != want:
+            raise FedfeatError(
+                f"store {self.path}: partitions/{key}/{name} does not match its checksum (chunk file missing "
+                "or changed); make the partition again with `fedfeat partition` (it is recomputed exactly)"
+            )
+        return a
+
+    def partition_info(self, key: str) -> dict:
+        a = dict(self._arr(f"partitions/{key}").attrs)
+        offs = self._partition_array(key, "offsets", a)
+        return {**a, "clients": len(offs) - 1, "samples": int(offs[-1])}
+
+    def load_partition(self, key: str):
+        """The stored partition ``key`` as a ``fedfeat.partition.schemes.Partition``."""
+        from fedfeat.partition.schemes import Partition
+
+        if key not in self.partition_keys():
+            known = ", ".join(self.partition_keys()) or "none"
+            raise FedfeatError(
+                f"store {self.path} has no partition '{key}' (stored: {known}); "
+                "create it with `fedfeat partition`"
+            )
+        a = dict(self._arr(f"partitions/{key}").attrs)
+        order, offsets = (self._partition_array(key, k, a) for k in ("order", "offsets"))
+        return Partition.from_order_and_offsets(a["scheme"], a["params"], order, offsets)
+
+    # ------------------------------------------------------------------ summary
+    def summary(self) -> dict:
+        """A plain dict for ``fedfeat info``: attributes, sizes on disk, partitions."""
+        if isinstance(self.path, Path):
+            size = sum(f.stat().st_size for f in self.path.rglob("*") if f.is_file())
+        else:
+            fs, p = url_filesystem(self.path)
+            size = int(fs.du(p, total=True))
+        return {
+            "path": str(self.path),
+            "attrs": self.attrs,
+            "bytes_on_disk": size,
+            "partitions": {k: self.partition_info(k) for k in self.partition_keys()},
+        }
+
+
+# ---------------------------------------------------------------------------------------- copying
+def _fs_of(loc: Path | str):
+    if isinstance(loc, Path):
+        from fsspec.implementations.local import LocalFileSystem
+
+        return LocalFileSystem(auto_mkdir=True), str(loc.absolute())
+    return url_filesystem(loc)
+
+
+def copy_store(src: str | Path, dst: str | Path, *, overwrite: bool = False, log=None) -> Path | str:
+    """Copy the complete store ``src`` to ``dst`` (local paths or store URLs, e.g. a local store to ``s3://``).
+    Every object is copied before the root ``zarr.json`` (which holds the store attributes and the complete flag):
+    an interrupted copy is not a store, never a store that reads as complete. ``dst`` must not exist unless
+    ``overwrite`` (a fedfeat store there, or a copy cut short, is replaced). Returns ``dst``'s location.
+
+    Example::
+
+        >>> copy_store("cache/synth-cifar10.zarr", "s3://bucket/synth-cifar10.zarr")   # doctest: +SKIP
+        's3://bucket/synth-cifar10.zarr'
+    """
+    FeatureStore.open(src)  # complete and readable, or a one-line error
+    s_loc, d_loc = store_location(src), store_location(dst)
+    if store_exists(d_loc):
+        if not overwrite:
+            raise FedfeatError(f"{d_loc} already exists; pass --force to replace it")
+        if not is_store(d_loc) and not (
+            group_meta(d_loc) is None and group_meta(f"{d_loc}/text") is not None
+        ):
+            raise FedfeatError(  # only a store, or a copy cut short (no root zarr.json), is ever deleted
+                f"{d_loc} exists and is not a fedfeat store; choose another destination"
+            )
+        dfs, dp = _fs_of(d_loc)
+        dfs.rm(dp, recursive=True)
+    sfs, sp = _fs_of(s_loc)
+    dfs, dp = _fs_of(d_loc)
+    files = sorted(f for f in sfs.find(sp) if not f.rsplit("/", 1)[-1].startswith(".write-probe-"))
+    root = f"{sp.rstrip('/')}/zarr.json"
+    try:
+        for f in [f for f in files if f != root] + [root]:  # the root metadata (complete flag) last
+            dfs.pipe_file(dp.rstrip("/") + f[len(sp.rstrip("/")) :], sfs.cat_file(f))
+    except OSError as e:
+        raise storage_error(
+            e, d_loc, "copying the store", "check the destination and run the copy again"
+        ) from None
+    if log is not None:
+        log(f"copied {s_loc} to {d_loc} ({len(files)} objects)")
+    return d_loc
+
+
+# ---------------------------------------------------------------------------------------- writer lock
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+class StoreLock:
+    """One writer per store: ``STORE.lock`` beside the store, created with ``O_CREAT | O_EXCL`` and holding
+    the writer's pid, host and start time (beside it, not inside: ``--force`` deletes the store directory).
+
+    A lock whose holder is on this host and no longer running is stale and is taken over (with a message);
+    a live holder, or one on another host (whose pid cannot be checked from here), is refused with a message
+    naming it and how to remove a stale lock. Use as a context manager; ``release`` removes only our own lock.
+
+    A store at a URL (``memory://``, ``s3://``...) gets ``URL.lock`` the same way, but object stores have no
+    exclusive create: the lock is written and then read back, which catches a holder that started earlier, not
+    one that starts in the same instant (advisory: run one encode per store URL).
+
+    Example::
+
+        >>> with StoreLock("cache/cifar10/RN50-openai.zarr", log=print):
+        ...     pass   # create, resume or rebuild the store
+    """
+
+    def __init__(self, store: str | Path, *, command: str = "fedfeat encode", log=None):
+        self.store = store_location(store)
+        self.path: Path | str = (
+            self.store.with_name(self.store.name + ".lock")
+            if isinstance(self.store, Path)
+            else self.store + ".lock"
+        )
+        self.command = command
+        self.log = log or (lambda msg: None)
+        self.token: dict | None = None
+
+    def _holder(self) -> dict | None:
+        try:
+            if isinstance(self.path, Path):
+                raw = self.path.read_text()
+            else:
+                fs, p = url_filesystem(self.path)
+                raw = fs.cat_file(p)
+            doc = json.loads(raw)
+            return doc if isinstance(doc, dict) else None
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError):
+            return None
+
+    def _stale_or_refuse(self, holder: dict | None, host: str) -> None:
+        """Return when ``holder`` (read from an existing lock) is a dead process on this host; else refuse."""
+        if holder is None or "pid" not in holder:
+            raise FedfeatError(
+                f"{self.store} is locked ({self.path} exists but is unreadable); if no "
+                f"`{self.command}` is writing this store, remove {self.path}"
+            ) from None
+        pid, where = int(holder["pid"]), holder.get("host", "?")
+        if where == host and not _pid_alive(pid):
+            self.log(
+                f"taking over the stale lock {self.path} (pid {pid} on {where} since "
+                f"{holder.get('since', '?')} is no longer running)"
+            )
+            return
+        raise FedfeatError(
+            f"{self.store} is being written by another `{holder.get('command', self.command)}` "
+            f"(pid {pid} on host {where}, since {holder.get('since', '?')}); wait for it to finish. "
+            f"If that process is gone (a crash on another host), remove {self.path} and re-run"
+        ) from None
+
+    def acquire(self) -> StoreLock:
+        host = socket.gethostname()
+        me = {
+            "pid": os.getpid(),
+            "host": host,
+            "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": self.command,
+        }
+        if not isinstance(self.path, Path):
+            return self._acquire_url(me, host)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            for _ in range(3):
+                try:
+                    fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                except FileExistsError:
+                    holder = self._holder()
+                    if holder == {}:  # released between our open and our read: try again
+                        continue
+                    self._stale_or_refuse(holder, host)
+                    stale = self.path.with_name(f"{self.path.name}.stale-{os.getpid()}")
+                    try:
+                        os.rename(self.path, stale)  # only one of several contenders wins this
+                        stale.unlink()
+                    except FileNotFoundError:
+                        pass
+                    continue
+                with os.fdopen(fd, "w") as f:
+                    json.dump(me, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                self.token = me
+                return self
+        except OSError as e:
+            raise storage_error(e, self.path, "locking the store") from None
+        raise FedfeatError(f"could not take the lock {self.path} (contended); re-run the command")
+
+    def _acquire_url(self, me: dict, host: str) -> StoreLock:
+        fs, p = url_filesystem(str(self.path))
+        try:
+            for _ in range(3):
+                holder = self._holder()
+                if holder != {}:
+                    self._stale_or_refuse(holder, host)
+                    fs.rm_file(p)
+                fs.pipe_file(p, json.dumps(me).encode())
+                if self._holder() == me:  # last writer wins on an object store: check that it is us
+                    self.token = me
+                    return self
+        except OSError as e:
+            raise storage_error(e, self.path, "locking the store") from None
+        raise FedfeatError(f"could not take the lock {self.path} (contended); re-run the command")
+
+    def release(self) -> None:
+        if self.token is None:
+            return
+        if self._holder() == self.token:
+            try:
+                if isinstance(self.path, Path):
+                    self.path.unlink()
+                else:
+                    fs, p = url_filesystem(self.path)
+                    fs.rm_file(p)
+            except OSError:
+                pass
+        self.token = None
+
+    def __enter__(self) -> StoreLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def normalize_pixels(px, mean, std):
+    """uint8 model inputs ``[B, 3, H, W]`` (a torch tensor, any device) -> the model's float32 input, with exactly
+    torchvision's ``ToTensor`` + ``Normalize`` arithmetic (``x / 255``, then ``(x - mean) / std`` per channel)."""
+    import torch
+
+    x = px.to(torch.float32).div(255)
+    m = torch.as_tensor(mean, dtype=torch.float32, device=x.device).view(-1, 1, 1)
+    s = torch.as_tensor(std, dtype=torch.float32, device=x.device).view(-1, 1, 1)
+    return x.sub_(m).div_(s)
