@@ -30,7 +30,7 @@ def measure(store, method_name: str, clients: int, participation: float, rounds:
     from fedfeat.engine import checkpoint
     from fedfeat.engine.rounds import load_run_data, run_federated
     from fedfeat.methods import get_method
-    from fedfeat.report.stores import store_partition
+    from fedfeat.partition.stored import store_partition
 
     _, part = store_partition(store, scheme="dirichlet", clients=clients, alpha=0.1, save=False)
     data = load_run_data(store, part)

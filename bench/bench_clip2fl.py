@@ -60,7 +60,7 @@ def store_for(shape: str):
 def rounds_of(shape: str, engine: str, device: str) -> dict:
     from fedfeat.engine.rounds import load_run_data, run_federated
     from fedfeat.methods import get_method
-    from fedfeat.report.stores import store_partition
+    from fedfeat.partition.stored import store_partition
 
     st = store_for(shape)
     _, part = store_partition(

@@ -119,7 +119,7 @@ def one(
 ) -> dict:  # fmt: skip
     from fedfeat.engine.rounds import load_run_data, run_federated
     from fedfeat.methods import get_method
-    from fedfeat.report.stores import store_partition
+    from fedfeat.partition.stored import store_partition
     from fedfeat.store.featurestore import FeatureStore
 
     st = FeatureStore.open(store)

@@ -29,7 +29,7 @@ def one(store: str, method: str, engine: str, rounds: int) -> list[float]:
     """Round times of one process (rounds 1..R; round 0 is the evaluation before training)."""
     from fedfeat.engine.rounds import load_run_data, run_federated
     from fedfeat.methods import get_method
-    from fedfeat.report.stores import store_partition
+    from fedfeat.partition.stored import store_partition
     from fedfeat.store.featurestore import FeatureStore
 
     st = FeatureStore.open(store)

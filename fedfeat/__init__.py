@@ -28,7 +28,7 @@ def train(*, params: dict | None = None, overwrite: bool = False, progress: bool
     import json
     from pathlib import Path
 
-    from fedfeat.runs.train import resolve_config
+    from fedfeat.runs.config import resolve_config
     from fedfeat.runs.train import train as _train
 
     cfg = resolve_config(settings, None, [f"{k}={v}" for k, v in (params or {}).items()])
@@ -37,15 +37,15 @@ def train(*, params: dict | None = None, overwrite: bool = False, progress: bool
 
 
 def load_runs(*paths, metrics: bool = False, as_frame: bool | None = None):
-    """Finished runs as records (a DataFrame when pandas is installed); see ``fedfeat.runs.train.load_runs``."""
-    from fedfeat.runs.train import load_runs as _load_runs
+    """Finished runs as records (a DataFrame when pandas is installed); see ``fedfeat.report.load.load_runs``."""
+    from fedfeat.report.load import load_runs as _load_runs
 
     return _load_runs(*paths, metrics=metrics, as_frame=as_frame)
 
 
 def __getattr__(name: str):
     if name == "RunConfig":
-        from fedfeat.runs.train import RunConfig
+        from fedfeat.runs.config import RunConfig
 
         return RunConfig
     raise AttributeError(f"module 'fedfeat' has no attribute {name!r}")

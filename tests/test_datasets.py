@@ -15,7 +15,9 @@ from helpers_clip import (
 )
 from PIL import Image
 
-from fedfeat.data.files import UnreadableImage, open_dataset, restricted_load
+from fedfeat.data import open_dataset
+from fedfeat.data.base import UnreadableImage
+from fedfeat.data.files import restricted_load
 from fedfeat.data.templates import CIFAR_TEMPLATES, IMAGENET_TEMPLATES, fill, resolve_templates
 from fedfeat.errors import FedfeatError
 
@@ -192,7 +194,7 @@ def test_fingerprint_sees_a_same_size_edit_and_caches_hashes_by_size_and_mtime(t
     come from the cache (keyed by size and mtime_ns); an edited file is hashed again."""
     import os
 
-    from fedfeat.data import files as D
+    from fedfeat.data import base as D
 
     monkeypatch.setenv("FEDFEAT_CACHE_DIR", str(tmp_path / "cache"))
     fx = write_cifar10(tmp_path / "c")

@@ -22,7 +22,7 @@ from helpers_clip import (
     write_imagefolder,
 )
 
-from fedfeat.data.files import open_dataset
+from fedfeat.data import open_dataset
 from fedfeat.errors import FedfeatError
 from fedfeat.store.featurestore import FeatureStore
 

@@ -108,7 +108,7 @@ def test_zeroshot_is_evaluated_over_the_novel_vocabulary(store, tmp_path):
 def test_preset_checks_the_class_count(store, tmp_path):
     r = runner.invoke(app, ["train", "--store", str(store), "--preset", "caltech101", "--out", str(tmp_path)])
     assert r.exit_code == 2 and "102 classes" in r.output and "22" in r.output
-    cfg = __import__("fedfeat.runs.train", fromlist=["x"]).resolve_config({"preset": "ucf101"}, None, None)
+    cfg = __import__("fedfeat.runs.config", fromlist=["x"]).resolve_config({"preset": "ucf101"}, None, None)
     assert (cfg.partition, cfg.shots, cfg.clients, cfg.rounds, cfg.partition_seed) == (
         "disjoint-classes",
         10,

@@ -1,6 +1,6 @@
 """Run directories you can trust: names, exclusive runs, atomic replacement, resume, identity, replay, reports.
 
-Kills are real: a subprocess is SIGKILLed at a named point (``FEDFEAT_FAULT``, ``fedfeat.runs.rundir.fault_point``)
+Kills are real: a subprocess is SIGKILLed at a named point (``FEDFEAT_FAULT``, ``fedfeat.report.rundir.fault_point``)
 and nothing of its clean-up runs.
 """
 
@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from fedfeat.cli.app import app
 from fedfeat.engine import checkpoint
-from fedfeat.runs.rundir import Lock
+from fedfeat.report.rundir import Lock
 
 runner = CliRunner()
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -334,7 +334,7 @@ def test_every_demo_method_replays_from_its_config_elsewhere(store, tmp_path, mo
 
 
 def test_seed_table_groups_runs_that_differ_only_in_seed():
-    from fedfeat.runs.train import seed_table
+    from fedfeat.report.tables import seed_table
 
     def s(method, seed, acc, lr=0.01):
         return {"method": method, "seed": seed, "final_acc": acc, "best_acc": acc, "partition": "p", "rounds": 2,

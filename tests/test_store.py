@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from fedfeat.errors import FedfeatError
+from fedfeat.partition import stored
 from fedfeat.partition.schemes import make_partition
 from fedfeat.store.featurestore import FORMAT_VERSION, FeatureStore, default_chunk_rows, fingerprint_hash
 
@@ -103,15 +104,15 @@ def test_partition_round_trip_is_client_major(tmp_path):
     st.mark_complete()
     st = FeatureStore.open(tmp_path / "s.zarr", mode="r+")
     p = make_partition(st.labels("train"), "iid", clients=4, seed=3)
-    key = st.save_partition(p)
+    key = stored.write(st, p)
     assert st.partition_keys() == [key]
-    q = st.load_partition(key)
+    q = stored.read(st, key)
     order, offsets = q.order_and_offsets()
     assert offsets.tolist() == [0, 10, 20, 30, 40]
     for c in range(4):  # client c is one contiguous slice of `order`
         np.testing.assert_array_equal(order[offsets[c] : offsets[c + 1]], p.clients[c])
     with pytest.raises(FedfeatError, match="fedfeat partition"):
-        st.load_partition("nope")
+        stored.read(st, "nope")
 
 
 def test_zarr_json_carries_the_attributes(tmp_path):

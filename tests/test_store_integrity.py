@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 
 from fedfeat.cli.app import app
 from fedfeat.errors import FedfeatError
+from fedfeat.partition import stored
 from fedfeat.store.featurestore import DONE_BIT, FeatureStore, StoreLock, crc
 
 runner = CliRunner()
@@ -230,7 +231,7 @@ def test_corrupted_partition_is_refused(tmp_path):
     (key,) = st.partition_keys()
     (out / "partitions" / key / "order" / "c" / "0").unlink()
     with pytest.raises(FedfeatError, match=f"partitions/{key}/order does not match its checksum"):
-        st.load_partition(key)
+        stored.read(st, key)
 
 
 # ---------------------------------------------------------------------------------------- synth: atomic

@@ -20,7 +20,7 @@ class _Group(TyperGroup):
     """Prints a ``FedfeatError`` from any subcommand as one line and exits with status 2."""
 
     def invoke(self, ctx):
-        from fedfeat.runs.rundir import Interrupted
+        from fedfeat.report.rundir import Interrupted
 
         try:
             return super().invoke(ctx)

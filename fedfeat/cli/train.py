@@ -133,7 +133,7 @@ def register(app: typer.Typer) -> None:
         quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
     ) -> None:
         """Train a method federatedly on a store's cached features; writes a run directory."""
-        from fedfeat.runs.train import resolve_config
+        from fedfeat.runs.config import resolve_config
         from fedfeat.runs.train import train as run_train
 
         cli = {
@@ -219,7 +219,7 @@ def register(app: typer.Typer) -> None:
         """Compare finished runs: a table (markdown/CSV) and one plot with all curves.
 
         Unreadable runs are skipped with a warning; the exit status is non-zero only when none is readable."""
-        from fedfeat.runs.train import report as make_report
+        from fedfeat.report.tables import report as make_report
 
         warn = lambda msg: typer.echo(msg, err=True)  # noqa: E731
         typer.echo(
@@ -262,8 +262,9 @@ def register(app: typer.Typer) -> None:
         """Run a grid of runs in one process (stores, partitions and features loaded once; runs that read the same
         data stacked into one program); every point is an ordinary run directory; finished runs are skipped. Ends
         with mean ± std over seeds per setting."""
+        from fedfeat.report.tables import report
         from fedfeat.runs import sweep as sw
-        from fedfeat.runs.train import TYPES, report
+        from fedfeat.runs.config import TYPES
 
         kw = sw.read_grid(grid) if grid is not None else {"grid": {}, "params": {}, "fixed": {}}
         flags = {"method": method, "store": store, "partition": partition, "alpha": alpha, "shards": shards,

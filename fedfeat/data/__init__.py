@@ -6,3 +6,44 @@ names as the datasets spell them, content fingerprints of the files read, and th
 
 May import: ``fedfeat.errors`` only. Nothing here knows of CLIP, stores or training.
 """
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fedfeat.data.base import ImageDataset
+from fedfeat.errors import FedfeatError
+
+__all__ = ["ImageDataset", "open_dataset"]
+
+
+def open_dataset(name: str, root: str | Path, options: dict | None = None) -> ImageDataset:
+    """Open dataset format ``name`` at ``root`` (the layouts: ``fedfeat.data.files``' docstring).
+
+    ``hf:NAME[:CONFIG]`` and ``wds:PATTERN`` (``fedfeat.data.hf``) resolve relative names against ``root``
+    and take ``options``: ``image_column``, ``label_column``, ``classnames`` (a class-name file).
+
+    Example::
+
+        >>> ds = open_dataset("imagefolder", "data/pets")   # data/pets/{train,test}/<class>/*.jpg
+        >>> ds.labels("test").dtype
+        dtype('int64')
+    """
+    opts = {k: v for k, v in (options or {}).items() if v is not None}
+    if name.startswith(("hf:", "wds:")):
+        from fedfeat.data.hf import open_external
+
+        return open_external(name, Path(root).expanduser(), **opts)
+    if opts:
+        flag = "--" + next(iter(opts)).replace("_", "-")
+        raise FedfeatError(f"{flag} applies to hf: and wds: datasets only, not to '{name}'; drop it")
+    from fedfeat.data.files import DATASETS
+
+    if name not in DATASETS:
+        raise FedfeatError(
+            f"unknown dataset '{name}'; known: {', '.join(DATASETS)}, hf:NAME[:CONFIG], wds:PATTERN"
+        )
+    root = Path(root).expanduser()
+    if not root.exists():
+        raise FedfeatError(f"dataset root {root} does not exist; expected {DATASETS[name].layout}")
+    return DATASETS[name](root)

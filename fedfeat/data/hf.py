@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from fedfeat.data.files import (
+from fedfeat.data.base import (
     _RACY_NS,
     ImageDataset,
     UnreadableImage,
@@ -52,8 +52,8 @@ from fedfeat.data.files import (
     _split_key,
     clean_class_name,
     hash_cache_dir,
-    read_class_names,
 )
+from fedfeat.data.files import read_class_names
 from fedfeat.errors import FedfeatError
 
 EXTRA = "pip install 'fedfeat[hf]'"

@@ -34,6 +34,9 @@ from pathlib import Path
 import numpy as np
 
 from fedfeat.errors import FedfeatError
+from fedfeat.partition import stored
+from fedfeat.partition.schemes import Partition, from_json
+from fedfeat.store.featurestore import FeatureStore
 
 __all__ = [  # and FedfeatPartitioner (made on first use: flwr-datasets is optional)
     "client_features",
@@ -60,9 +63,7 @@ def _require_flwr_datasets():
 def _open(store):
     """A ``FeatureStore`` (opened read-only when given as a path or URL)."""
     if isinstance(store, (str, Path)):
-        from fedfeat import open_store
-
-        return open_store(store)
+        return FeatureStore.open(store, mode="r")
     return store
 
 
@@ -72,8 +73,6 @@ def load_partition(partition, store=None):
     ``partition``: a ``Partition``; a key stored in ``store`` (``fedfeat partition STORE ...`` prints it); or the
     path of a JSON file written by ``fedfeat partition ... --export FILE``. Returns ``(partition, split)``; the
     split is the stored partition's, or ``params["split"]`` / ``"train"`` otherwise."""
-    from fedfeat.partition.schemes import Partition, from_json
-
     if isinstance(partition, Partition):
         return partition, partition.params.get("split", "train")
     if not isinstance(partition, (str, Path)):
@@ -83,7 +82,7 @@ def load_partition(partition, store=None):
         )
     st = _open(store) if store is not None else None
     if isinstance(partition, str) and st is not None and partition in st.partition_keys():
-        return st.load_partition(partition), st.partition_info(partition).get("split", "train")
+        return stored.read(st, partition), st.partition_info(partition).get("split", "train")
     path = Path(partition)
     if path.suffix == ".json" or path.is_file():
         if not path.is_file():

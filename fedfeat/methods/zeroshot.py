@@ -1,6 +1,7 @@
 """CLIP zero-shot classification (CLIP-ZS): argmax over classes of image . text, no training.
 
-A run also writes its result in CLIP_benchmark's JSON schema (``fedfeat.report.clipbench``): top-1, top-5 accuracy and
+A run also writes its result in CLIP_benchmark's JSON schema (``fedfeat.report.clipbench``, from the logits of
+``benchmark_logits``): top-1, top-5 accuracy and
 mean per-class recall on the store's test split, in a file named as CLIP_benchmark names its outputs
 (``{dataset}_{pretrained}_{model}_{language}_{task}.json``), which ``clip_benchmark build`` merges with its own.
 """
@@ -45,15 +46,13 @@ class ZeroShot(Method):
         return ctx.clip_logit_scale * (x @ glob["W"].T)
 
     @torch.no_grad()
-    def run_files(self, run_dir, *, data, glob, store) -> dict:
-        """Write the run's result in CLIP_benchmark's JSON schema into ``run_dir`` (``fedfeat.report.clipbench``); returns
-        what ``summary.json`` records of it (the file's name).
+    def benchmark_logits(self, *, data, glob, store) -> tuple[torch.Tensor, torch.Tensor, str | None]:
+        """``(logits  # [N, K], labels  # [N], dataset name or None)`` for the run's CLIP_benchmark JSON, which the
+        run writes (``fedfeat.report.clipbench``).
 
         The logits are this method's ``predict`` on the store's whole test split (label -1 rows left out), over all
         classes: the run's own test set, except for an open-vocabulary partition, whose test set is the query set
         of novel classes."""
-        from fedfeat.report import clipbench
-
         x, y = data.test_x, data.test_y
         if data.open_vocab is not None:  # test_x is the novel-class query set: read the whole split instead
             split = "test" if "test" in store.splits else "train"
@@ -64,5 +63,4 @@ class ZeroShot(Method):
         if self.p.normalize:
             x = F.normalize(x, dim=-1)
         logits = self.predict(SimpleNamespace(clip_logit_scale=data.clip_logit_scale), glob, x)  # [N, K]
-        doc = clipbench.result(store, logits, y, dataset=self.p.benchmark_dataset)
-        return {"clip_benchmark": clipbench.write(run_dir, doc).name}
+        return logits, y, self.p.benchmark_dataset

@@ -49,8 +49,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fedfeat.data import open_dataset
+from fedfeat.data.base import ImageDataset, UnreadableImage
+from fedfeat.data.templates import fill, resolve_templates
 from fedfeat.encoders import openclip as clipcompat
-from fedfeat.data.files import ImageDataset, UnreadableImage, open_dataset
+from fedfeat.engine.distributed import Dist, init_dist
 from fedfeat.errors import FedfeatError
 from fedfeat.store.featurestore import (
     FORMAT_VERSION,
@@ -63,7 +66,6 @@ from fedfeat.store.featurestore import (
     store_exists,
     store_location,
 )
-from fedfeat.data.templates import fill, resolve_templates
 
 ENCODER_VERSION = 1  # bump when the encoding procedure changes what lands in a store
 TEXT_BATCH = 256  # prompts per text forward (fixed, so text features never depend on --batch-size)
@@ -100,63 +102,6 @@ def _dataset_name(dataset: str, root: Path, name: str | None) -> str:
     if dataset in ("imagefolder", "listfile"):  # generic formats: name the store after the data's folder
         return root.expanduser().resolve().name or dataset
     return dataset
-
-
-# ---------------------------------------------------------------------------------------- distributed
-@dataclass
-class _Dist:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    owns_group: bool = False  # we initialised the process group (and destroy it)
-
-    @property
-    def active(self) -> bool:
-        return self.world > 1
-
-    def barrier(self) -> None:
-        if self.active:
-            torch.distributed.barrier()
-
-    def broadcast(self, obj):
-        """``obj`` of rank 0 on every rank."""
-        if not self.active:
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def close(self) -> None:
-        if self.owns_group and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-
-
-def _init_dist(distributed: bool | None, device: str) -> tuple[_Dist, torch.device]:
-    env_world = int(os.environ.get("WORLD_SIZE", "1"))
-    want = env_world > 1 if distributed is None else (distributed or env_world > 1)
-    if not want:
-        return _Dist(), clipcompat.resolve_device(device)
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():  # called as a library inside a running job
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        return _Dist(dist.get_rank(), dist.get_world_size(), local), clipcompat.resolve_device(device, local)
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing:
-        raise FedfeatError(
-            f"--distributed needs the torchrun environment ({', '.join(missing)} unset); launch with "
-            "`torchrun --nproc-per-node N -m fedfeat encode ...`"
-        )
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    dev = clipcompat.resolve_device(device, local)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    backend = "nccl" if dev.type == "cuda" else "gloo"
-    # Ranks wait for each other at the end (unequal shares, text on one rank): allow long waits; torchrun
-    # tears the whole job down if one rank fails, so nobody waits for a dead peer.
-    kw = {"device_id": dev} if dev.type == "cuda" else {}
-    dist.init_process_group(backend, timeout=datetime.timedelta(hours=12), **kw)
-    return _Dist(dist.get_rank(), dist.get_world_size(), local, owns_group=True), dev
 
 
 # ---------------------------------------------------------------------------------------- data loading
@@ -367,7 +312,7 @@ def encode(
         raise FedfeatError(f"the network probe timeout must be > 0 seconds, got {probe_timeout}")
     if precision not in clipcompat.PRECISIONS:
         raise FedfeatError(f"unknown precision '{precision}'; use one of {', '.join(clipcompat.PRECISIONS)}")
-    dist_ctx, dev = _init_dist(distributed, device)
+    dist_ctx, dev = init_dist(distributed, device)
     console = console or Console(stderr=True)
 
     def say_all(msg: str) -> None:
@@ -547,7 +492,7 @@ def _pixel_spec(clip) -> dict:
     return {"size": list(clip.input_size), "mean": mean, "std": std}
 
 
-def _workers(workers: int | None, dev: torch.device, dist_ctx: _Dist) -> int:
+def _workers(workers: int | None, dev: torch.device, dist_ctx: Dist) -> int:
     if workers is not None:  # validated by encode() before anything is created
         return workers
     if dev.type == "cpu":

@@ -444,7 +444,8 @@ def find_store(root: Path, dataset: str, backbone: str, table: Table, synthetic:
 def drawable(table: Table, stores: dict[str, Path]) -> dict[int, str]:
     """Columns whose partition cannot be drawn on their store, with the partitioner's reason (FedNTD's Dirichlet
     rule never gives 100 clients >= 10 samples each at alpha = 0.05 on 10 classes: its code loops forever)."""
-    from fedfeat.runs.train import open_store, resolve_config, run_partition
+    from fedfeat.runs.session import open_store, run_partition
+    from fedfeat.runs.config import resolve_config
 
     bad = {}
     for c, col in enumerate(table.columns):
@@ -474,7 +475,8 @@ def runnable(table: Table, stores: dict[str, Path], skip=()) -> dict[tuple[int, 
     or whose encoder cannot be rebuilt here (loaded now, inside the sweep's session, and reused by the runs); a
     method that re-encodes images (``fedcopl``) on a store without pixels. Columns in ``skip`` are left out."""
     from fedfeat.engine.rounds import resolve_device
-    from fedfeat.runs.train import _live_text, open_store, resolve_config
+    from fedfeat.runs.session import _live_text, open_store
+    from fedfeat.runs.config import resolve_config
 
     out: dict[tuple[int, int], str] = {}
     for r, row in enumerate(table.rows):
@@ -580,7 +582,7 @@ def render(
     holds None for a run that was not made."""
     import json
 
-    from fedfeat.runs.train import _table
+    from fedfeat.report.tables import _table
 
     skipped, blocked = skipped or {}, dict(blocked or {})
     ncol = len(table.columns)
@@ -682,8 +684,8 @@ def reproduce(
     log=print,
 ) -> str:
     """Run table ``name``'s grid (finished runs are reused) and return it rendered."""
-    from fedfeat.runs.train import load_run
     from fedfeat.runs.sweep import run_sweep
+    from fedfeat.report.load import load_run
 
     if name not in TABLES:
         raise FedfeatError(f"unknown table '{name}'; known: {', '.join(TABLES)}")

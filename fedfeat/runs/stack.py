@@ -389,8 +389,7 @@ def _local(methods, ctxs, live, plans, globs, hp, syn_sum, fst, Qflat, N, D, rnd
 def _local_fused(methods, ctxs, live, plans, globs, rnd, threads, fst, Q):
     """``_local`` in the methods' compiled CPU kernels (``kernels.stacked_epoch``): every virtual client runs the
     very code of its run's own fused kernel, so a stacked run equals its one-by-one fused run bit for bit."""
-    from fedfeat.engine import kernels
-    from fedfeat.engine import rng
+    from fedfeat.engine import kernels, rng
     from fedfeat.engine.rounds import round_buffer, shuffle_key
     from fedfeat.methods.fst_cbdg import _pool, bank_rows
 

@@ -39,42 +39,12 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import tomllib
 
 from fedfeat.errors import FedfeatError
-
-
-@dataclass
-class Session:
-    """Caches shared by the runs of one process (``fedfeat.runs.train`` uses the active one)."""
-
-    stores: dict = field(default_factory=dict)  # store path -> FeatureStore (read-only)
-    partitions: dict = field(default_factory=dict)  # (store path, partition settings) -> (key, Partition)
-    data: dict = field(default_factory=dict)  # (store path, partition key, load settings) -> RunData
-    live: dict = field(default_factory=dict)  # (store path, device, pretrained) -> LiveText
-    hits: int = 0
-
-
-_ACTIVE: list[Session] = []
-
-
-def active() -> Session | None:
-    """The session of the innermost ``session()`` block, or None."""
-    return _ACTIVE[-1] if _ACTIVE else None
-
-
-@contextlib.contextmanager
-def session():
-    """Share stores, partitions and loaded features between the runs made inside the block."""
-    s = Session()
-    _ACTIVE.append(s)
-    try:
-        yield s
-    finally:
-        _ACTIVE.pop()
+from fedfeat.runs.session import active, session
 
 
 def _as_list(key: str, v) -> list:
@@ -196,7 +166,8 @@ def run_sweep(
     """Make every point's run (skipping finished ones unless ``overwrite``); returns the run directories in the
     points' order. One process, one ``Session``; with ``stack``, runs that read the same data in one program
     (module docstring)."""
-    from fedfeat.runs.train import DEFAULTS, resolve_config, run_name, stack_group, train_stacked
+    from fedfeat.runs.config import DEFAULTS, resolve_config
+    from fedfeat.runs.train import run_name, stack_group, train_stacked
     from fedfeat.runs.train import train as run_train
 
     paths: list[Path] = []
@@ -253,4 +224,4 @@ def run_sweep(
     return paths
 
 
-__all__ = ["Session", "session", "active", "expand", "parse_values", "read_grid", "run_sweep"]
+__all__ = ["expand", "parse_values", "read_grid", "run_sweep"]

@@ -809,13 +809,12 @@ class FeatureStore:
         return checked
 
     # ------------------------------------------------------------------ partitions
-    def save_partition(self, partition, split: str = "train", key: str | None = None) -> str:
-        """Store a ``fedfeat.partition.schemes.Partition`` of ``split`` under ``partitions/<key>``."""
-        from fedfeat.partition.schemes import partition_key
-
+    def save_partition_arrays(
+        self, key: str, scheme: str, params: dict, order: np.ndarray, offsets: np.ndarray, split: str = "train"
+    ) -> str:
+        """Store a partition of ``split`` under ``partitions/<key>``: ``order  # [n]`` split rows, client-major;
+        ``offsets  # [clients + 1]``; its scheme and parameters (``fedfeat.partition.stored`` makes them)."""
         self._check_split(split)
-        key = key or partition_key(partition)
-        order, offsets = partition.order_and_offsets()
         # probe first: on a read-only store zarr's concurrent writes fail in background tasks that print their
         # own tracebacks ("Task exception was never retrieved") beside the caller's one-line error
         if isinstance(self.path, Path):
@@ -836,8 +835,8 @@ class FeatureStore:
         kg["offsets"][:] = offsets
         kg.attrs.update(
             {
-                "scheme": partition.scheme,
-                "params": partition.params,
+                "scheme": scheme,
+                "params": params,
                 "split": split,
                 "crc": {"order": crc(order.astype(np.int64)), "offsets": crc(offsets.astype(np.int64))},
                 "complete": True,
@@ -866,10 +865,9 @@ class FeatureStore:
         offs = self._partition_array(key, "offsets", a)
         return {**a, "clients": len(offs) - 1, "samples": int(offs[-1])}
 
-    def load_partition(self, key: str):
-        """The stored partition ``key`` as a ``fedfeat.partition.schemes.Partition``."""
-        from fedfeat.partition.schemes import Partition
-
+    def partition_arrays(self, key: str) -> tuple[str, dict, np.ndarray, np.ndarray]:
+        """The stored partition ``key`` as ``(scheme, params, order, offsets)`` (``fedfeat.partition.stored.read``
+        makes a ``Partition`` of them)."""
         if key not in self.partition_keys():
             known = ", ".join(self.partition_keys()) or "none"
             raise FedfeatError(
@@ -878,7 +876,7 @@ class FeatureStore:
             )
         a = dict(self._arr(f"partitions/{key}").attrs)
         order, offsets = (self._partition_array(key, k, a) for k in ("order", "offsets"))
-        return Partition.from_order_and_offsets(a["scheme"], a["params"], order, offsets)
+        return a["scheme"], a["params"], order, offsets
 
     # ------------------------------------------------------------------ summary
     def summary(self) -> dict:

@@ -207,3 +207,16 @@ def fault_point(name: str) -> None:
     """Tests kill the process at a named point (``FEDFEAT_FAULT=name``): a real SIGKILL, no clean-up."""
     if os.environ.get("FEDFEAT_FAULT") == name:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+CHECKPOINT = "checkpoint.safetensors"  # a resumable run's state (fedfeat.engine.checkpoint)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            break  # a row cut short by a kill: it and anything after it are redone
+    return rows
