@@ -13,7 +13,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 STORE ?= cache/synth-cifar10.zarr
 RUNS ?= runs
 
-.PHONY: help install test test-all lint format synth demo bench clean
+.PHONY: help install test test-all lint format synth demo bench identity clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | sort -u | \
@@ -34,13 +34,14 @@ test: install ## run the test suite (fast, CPU, offline)
 test-all: install ## run every test, the slow ones too
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -m ''
 
-lint: install ## ruff lint and format check
-	$(VENV)/bin/ruff check fedfeat tests bench
-	$(VENV)/bin/ruff format --check fedfeat tests bench
+lint: install ## the import contracts (layers, independent method families; pyproject.toml), ruff lint and format check
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check fedfeat tests bench scripts
+	$(VENV)/bin/ruff format --check fedfeat tests bench scripts
 
 format: install ## ruff: fix lint and format in place
-	$(VENV)/bin/ruff check --fix fedfeat tests bench
-	$(VENV)/bin/ruff format fedfeat tests bench
+	$(VENV)/bin/ruff check --fix fedfeat tests bench scripts
+	$(VENV)/bin/ruff format fedfeat tests bench scripts
 
 synth: install ## build the synthetic CIFAR-10-shaped store at $(STORE) if missing
 	$(PY) -m fedfeat synth --out $(STORE)
@@ -54,6 +55,10 @@ demo: synth ## the main job on the built-in default: synthetic store, FST-CBDG v
 
 bench: install ## run bench/ and write BENCHMARKS.md
 	$(PY) bench/run_all.py
+
+IDENTITY_BASE ?= a0ed124
+identity: install ## the same commands and seeds give the same run directories as $(IDENTITY_BASE) (every method; ~5 min)
+	$(PY) scripts/check_identity.py --base $(IDENTITY_BASE)
 
 clean: ## remove runs/ and caches of tools (keeps cache/ stores and .venv)
 	rm -rf $(RUNS) .pytest_cache .ruff_cache

@@ -9,7 +9,7 @@ The Python API (the CLI calls the same functions)::
     df = fedfeat.load_runs("runs")                                  # a DataFrame with pandas, else a list of dicts
 """
 
-__version__ = "0.1.0"
+from fedfeat._version import __version__
 
 __all__ = ["open_store", "train", "load_runs", "RunConfig", "__version__"]
 

@@ -362,7 +362,7 @@ def _load_ref(ref: _RefTranslator, P: dict, depth: int, W: int, D: int) -> None:
 @pytest.mark.parametrize("W, D, depth", [(64, 32, 0), (64, 32, 2), (32, 32, 1)])
 def test_fedtpg_generator_equals_the_reference_modules(W, D, depth):
     """The batched functional generator = FedTPG's PromptTranslator built from torch modules, per client."""
-    from fedfeat.methods.fedtpg import generate, generator_init
+    from fedfeat.methods.promptfl import generate, generator_init
 
     P = generator_init(0, 4, W, D, depth, 4, torch.float64, "cpu")
     assert P["soft_prompt"].std() == pytest.approx(0.02, rel=0.5)

@@ -16,7 +16,7 @@ from __future__ import annotations
 # the modules below register their methods on import (import order = listing order)
 # isort: off
 from fedfeat.methods import zeroshot, linear, fst_cbdg, synthesis  # noqa: E402, F401
-from fedfeat.methods import fedmp, promptfl, fedtpg, fedcopl  # noqa: E402, F401
+from fedfeat.methods import fedmp, promptfl, fedcopl  # noqa: E402, F401
 
 # isort: on
 from fedfeat.methods.base import REGISTRY, Method, get_method, method_table, register  # noqa: E402

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,11 +19,23 @@ REGISTRY: dict[str, type[Method]] = {}
 
 
 def register(cls):
-    """Class decorator: add a method to the registry under ``cls.name``."""
-    if cls.name in REGISTRY:
-        raise RuntimeError(f"method {cls.name} registered twice")
+    """Class decorator: add a method to the registry under ``cls.name``.
+
+    Registering a name again replaces the old class with a ``UserWarning`` naming both (a notebook cell that
+    redefines a method is run again)."""
+    if not cls.name:
+        raise FedfeatError(f"{cls.__qualname__} has no name; set the class attribute name = 'my-method'")
+    old = REGISTRY.get(cls.name)
+    if old is not None and old is not cls:
+        warnings.warn(
+            f"method {cls.name}: {_where(old)} replaced by {_where(cls)}", UserWarning, stacklevel=2
+        )
     REGISTRY[cls.name] = cls
     return cls
+
+
+def _where(cls) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _coerce(field: dataclasses.Field, value, hints: dict):
@@ -215,13 +228,16 @@ class Method:
         return None
 
     def has_fused(self) -> bool:
-        """A fused kernel applies only if the class that defines ``step_loss`` also defines ``fused_loss``
-        (a subclass that changes the loss does not inherit its parent's kernel) and it returns one."""
+        """A fused kernel applies only if the class that defines ``step_loss`` also defines ``fused_loss``, no
+        subclass of it redefines ``sample_loss`` (a subclass that changes the loss does not inherit its parent's
+        kernel), and it returns one."""
 
         def owner(name: str) -> type:
             return next(c for c in type(self).__mro__ if name in c.__dict__)
 
-        return owner("fused_loss") is owner("step_loss") and self.fused_loss() is not None
+        fused = owner("fused_loss")
+        per_sample = owner("sample_loss") if hasattr(self, "sample_loss") else fused  # LinearHead's hook
+        return fused is owner("step_loss") and issubclass(fused, per_sample) and self.fused_loss() is not None
 
     def fused_epoch(self, ctx, plan, glob, local, params, opt, epoch):
         """Local epoch ``epoch`` of all the plan's clients in a fused kernel (which shuffles and batches as

@@ -37,7 +37,7 @@ from fedfeat.engine.optim import BatchedSGD
 from fedfeat.engine.rounds import Batch, Context, RoundPlan, fedavg, masked_mean
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import Method, register
-from fedfeat.methods.linear import FedAvg, LinearHeadParams
+from fedfeat.methods.head import LinearHead, LinearHeadParams
 
 TAG_TEXT_INIT, TAG_VPT_INIT = 311, 312
 EVAL_BATCH = 256  # images per forward when evaluating or refreshing pseudo-labels
@@ -329,7 +329,7 @@ class CoPLLinearParams(LinearHeadParams):
 
 
 @register
-class CoPLLinear(FedAvg):
+class CoPLLinear(LinearHead):
     """CoPL + a linear head on cached features (FedCoPL's plug-and-play claim, the fast path): FedAvg on pseudo-labels."""
 
     name = "copl-linear"

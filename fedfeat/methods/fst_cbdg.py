@@ -77,7 +77,7 @@ from fedfeat.engine.rounds import (
 )
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import register
-from fedfeat.methods.linear import LinearHead, LinearHeadParams
+from fedfeat.methods.head import LinearHead, LinearHeadParams
 
 BANK_BLOCK = 64  # rows per independently seeded block of the noise bank
 

@@ -86,7 +86,7 @@ from fedfeat.engine import rng
 from fedfeat.engine.rounds import Context, RoundPlan, masked_mean
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import register
-from fedfeat.methods.linear import LinearHead, LinearHeadParams
+from fedfeat.methods.head import LinearHead, LinearHeadParams
 
 # random-stream tags of this module (fedfeat.engine.rng's own tags are < 100)
 TAG_HEAD_INIT = 101  # round-1 gradient head (main.py's temp_model)

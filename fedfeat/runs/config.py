@@ -288,10 +288,10 @@ def default_run_name(
 
 def _provenance() -> dict:
     """fedfeat's version, the git commit when run from a checkout (``+dirty`` with local changes), the command."""
-    import fedfeat
+    from fedfeat._version import __version__
 
-    out = {"fedfeat": fedfeat.__version__, "command": shlex.join(sys.argv), "cwd": os.getcwd()}
-    repo = Path(fedfeat.__file__).resolve().parent.parent
+    out = {"fedfeat": __version__, "command": shlex.join(sys.argv), "cwd": os.getcwd()}
+    repo = Path(__file__).resolve().parents[2]  # the checkout holding fedfeat/
     if (repo / ".git").exists():
         try:
             head = subprocess.run(

@@ -42,7 +42,8 @@ from fedfeat.engine.rounds import (
 )
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.fst_cbdg import synthetic_head
-from fedfeat.methods.linear import batched_linear, ntd_loss
+from fedfeat.methods.head import batched_linear
+from fedfeat.methods.linear import ntd_loss
 
 STACKABLE = ("fedavg", "fedprox", "fedntd", "fst-cbdg")
 SHAPE_KEYS = ("batch_size", "local_epochs", "normalize", "templates", "renormalize_synthetic")

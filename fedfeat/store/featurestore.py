@@ -810,7 +810,13 @@ class FeatureStore:
 
     # ------------------------------------------------------------------ partitions
     def save_partition_arrays(
-        self, key: str, scheme: str, params: dict, order: np.ndarray, offsets: np.ndarray, split: str = "train"
+        self,
+        key: str,
+        scheme: str,
+        params: dict,
+        order: np.ndarray,
+        offsets: np.ndarray,
+        split: str = "train",
     ) -> str:
         """Store a partition of ``split`` under ``partitions/<key>``: ``order  # [n]`` split rows, client-major;
         ``offsets  # [clients + 1]``; its scheme and parameters (``fedfeat.partition.stored`` makes them)."""
