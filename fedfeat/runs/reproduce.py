@@ -6,6 +6,9 @@ Stores come from ``--store-root``: ``ROOT/<dataset>/<backbone>-*.zarr`` as ``fed
 builds stand-in stores instead (``fedfeat synth``, shaped like each dataset under the paper's backbone), so that
 the grid runs anywhere -- and its numbers then say nothing about real data.
 
+The tables are data: ``fedfeat/runs/tables/<paper>.toml``, one TOML file per paper (its tables' columns, rows,
+the paper's numbers and run settings, its synthetic stand-ins' shapes), read by ``load_tables`` into ``TABLES``.
+
 Tables (the paper's numbers are transcribed from ``../shared/papers``; the settings are the papers' and
 ``reference-notes.md``'s):
 
@@ -47,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import tomllib  # Python >= 3.11, as CI runs (tomli is not installed)
 
 from fedfeat.errors import FedfeatError
 
@@ -91,272 +95,6 @@ class Table:
     runs: str | None = None  # the runs' folder name (tables over the same runs share it); default: name
 
 
-# synthetic stand-ins: (classes, train per class, test per class, dim)
-SYNTH_SHAPES = {
-    ("cifar10", "RN50"): dict(classes=10, train_per_class=5000, test_per_class=1000, dim=1024),
-    ("cifar100", "RN50"): dict(classes=100, train_per_class=500, test_per_class=100, dim=1024, s=0.1),
-    # CINIC-10 has 90,000 train and 90,000 test images; the stand-in keeps the train split and 10,000 test images
-    ("cinic10", "RN50"): dict(classes=10, train_per_class=9000, test_per_class=1000, dim=1024),
-    ("cifar10", "ViT-B-32"): dict(classes=10, train_per_class=5000, test_per_class=1000, dim=512),
-    ("cifar100", "ViT-B-32"): dict(classes=100, train_per_class=500, test_per_class=100, dim=512, s=0.1),
-    # FedCoPL's other datasets (CPL's splits, train (+ val) as the unlabelled train split; sizes approximate)
-    ("dtd", "ViT-B-32"): dict(classes=47, train_per_class=80, test_per_class=40, dim=512, s=0.15),
-    ("resisc45", "ViT-B-32"): dict(classes=45, train_per_class=560, test_per_class=140, dim=512, s=0.15),
-    ("cub", "ViT-B-32"): dict(classes=200, train_per_class=30, test_per_class=29, dim=512, s=0.1),
-    ("ucf101", "ViT-B-32"): dict(classes=101, train_per_class=76, test_per_class=37, dim=512, s=0.1),
-}
-# Fed-MP's six datasets under ViT-L/14@336 (D = 768): `fedfeat synth --preset caltech101-vitl14`'s parameters
-# (20 train + 30 test images per class: 10 shots per client class, the rest for the query set) at each
-# openvocab preset's class count, which ``--preset`` checks
-for _ds, _k in (("caltech101", 102), ("ucf101", 101), ("food101", 101), ("flowers102", 102),
-                ("fgvc-aircraft", 70), ("stanford-cars", 196)):  # fmt: skip
-    SYNTH_SHAPES[(_ds, "ViT-L-14-336")] = dict(
-        classes=_k, train_per_class=20, test_per_class=30, dim=768, templates=1, s=0.1, eta=0.7
-    )
-
-FST = {"clients": 100, "participation": 0.1, "rounds": 10}
-_ZS = Row("CLIP-ZS", "zeroshot", once_per_dataset=True)
-_CENT = Row("CLIP-FC-Centralized", "centralized", once_per_dataset=True)
-_FST_ROWS = [Row("FedAvg", "fedavg"), Row("FedNTD", "fedntd"), Row("FST-CBDG", "fst-cbdg")]
-
-
-def _shard(ds: str, s: int) -> Column:
-    return Column(ds, f"{ds} s={s}", {"partition": "shard", "shards": s})
-
-
-def _lda(ds: str, a: float) -> Column:
-    return Column(ds, f"{ds} a={a}", {"partition": "dirichlet", "alpha": a})
-
-
-def _iid(ds: str) -> Column:
-    return Column(ds, f"{ds} iid", {"partition": "iid"})
-
-
-def _lt(ds: str, f: int) -> Column:
-    return Column(
-        ds, f"{ds}-LT IF={f}", {"partition": "dirichlet-equal", "alpha": 0.5, "imbalance_factor": f}
-    )
-
-
-TABLES: dict[str, Table] = {
-    "fst-cbdg-table1": Table(
-        "fst-cbdg-table1",
-        "FST-CBDG Table 1: test accuracy (%), homogeneous (IID) partition",
-        "RN50",
-        "make cache-fst-cbdg",
-        [_iid("cifar10"), _iid("cifar100"), _iid("cinic10")],
-        [_ZS, _CENT, *_FST_ROWS],
-        {
-            "CLIP-ZS": [68.7, 39.0, 63.2],
-            "CLIP-FC-Centralized": [77.5, 42.9, 70.4],
-            "FedAvg": [73.3, 37.8, 66.0],
-            "FedNTD": [72.8, 39.8, 66.2],
-            "FST-CBDG": [74.0, 43.2, 66.3],
-        },
-        FST,
-    ),  # fmt: skip
-    "fst-cbdg-table2": Table(
-        "fst-cbdg-table2",
-        "FST-CBDG Table 2: test accuracy (%), heterogeneous partitions (sharding s, LDA alpha)",
-        "RN50",
-        "make cache-fst-cbdg",
-        [
-            _shard("cifar10", 2),
-            _shard("cifar10", 3),
-            _shard("cifar10", 5),
-            _shard("cifar10", 10),
-            _shard("cifar100", 10),
-            _shard("cinic10", 2),
-            _lda("cifar10", 0.05),
-            _lda("cifar10", 0.1),
-            _lda("cifar10", 0.3),
-            _lda("cifar10", 0.5),
-            _lda("cifar100", 0.1),
-            _lda("cinic10", 0.1),
-        ],
-        [_ZS, _CENT, *_FST_ROWS],
-        {
-            "CLIP-ZS": [68.7] * 4 + [39.0, 63.2] + [68.7] * 4 + [39.0, 63.2],
-            "CLIP-FC-Centralized": [77.5] * 4 + [42.9, 70.4] + [77.5] * 4 + [42.9, 70.4],
-            "FedAvg": [32.3, 42.0, 43.5, 47.7, 34.1, 30.9, 20.1, 32.4, 41.9, 45.1, 16.4, 29.1],
-            "FedNTD": [42.0, 64.1, 47.6, 55.6, 26.6, 35.8, 26.6, 28.2, 37.1, 52.9, 15.9, 26.6],
-            "FST-CBDG": [72.0, 72.8, 73.6, 73.2, 43.3, 65.9, 71.5, 71.9, 72.2, 72.4, 43.1, 65.0],
-        },
-        FST,
-    ),  # fmt: skip
-    "fst-cbdg-table3": Table(
-        "fst-cbdg-table3",
-        "FST-CBDG Table 3: ablation of the two losses, test accuracy (%)",
-        "RN50",
-        "make cache-fst-cbdg",
-        [_shard("cifar10", 2), _iid("cifar10"), _shard("cifar100", 10), _iid("cifar100")],
-        [
-            _ZS,
-            Row("L_iST", "fst-cbdg", {"sampling": "false"}),
-            Row("L_tSamp", "fst-cbdg", {"self_training": "false"}),
-            Row(
-                "L_tSamp (Centralized)",
-                "fst-cbdg",
-                {"self_training": "false"},
-                once_per_dataset=True,
-                settings={"clients": 1, "participation": 1.0, "partition": "iid"},
-            ),
-            Row("L_iST + L_tSamp", "fst-cbdg"),
-        ],
-        {
-            "CLIP-ZS": [68.7, 68.7, 39.0, 39.0],
-            "L_iST": [68.9, 68.2, 37.5, 37.5],
-            "L_tSamp": [68.9, 65.7, 37.3, 35.5],
-            "L_tSamp (Centralized)": [69.4, 69.4, 39.1, 39.1],
-            "L_iST + L_tSamp": [72.0, 74.0, 43.3, 43.2],
-        },
-        FST,
-    ),  # fmt: skip
-    "fst-cbdg-table4": Table(
-        "fst-cbdg-table4",
-        "FST-CBDG Table 4: sampling strategy, test accuracy (%)",
-        "RN50",
-        "make cache-fst-cbdg",
-        [_shard("cifar10", 10), _iid("cifar10"), _shard("cifar100", 10), _iid("cifar100")],
-        [Row("Equal sampling", "fst-cbdg", {"balance": "equal"}), Row("Balanced sampling", "fst-cbdg")],
-        {"Equal sampling": [68.6, 68.6, 37.4, 37.4], "Balanced sampling": [73.2, 74.0, 43.3, 43.2]},
-        FST,
-    ),  # fmt: skip
-    "clip2fl-table1": Table(
-        "clip2fl-table1",
-        "CLIP2FL Table 1: top-1 accuracy (%), long-tailed CIFAR (the rows fedfeat implements)",
-        "ViT-B-32",
-        "make cache-clip2fl",
-        [
-            _lt("cifar10", 100),
-            _lt("cifar10", 50),
-            _lt("cifar10", 10),
-            _lt("cifar100", 100),
-            _lt("cifar100", 50),
-            _lt("cifar100", 10),
-        ],
-        [
-            Row(
-                "FedAvg",
-                "fedavg",
-                {"local_epochs": "10", "batch_size": "32", "lr": "0.1", "momentum": "0", "weight_decay": "0"},
-            ),
-            Row("FedAvgM", "fedavgm"),
-            Row("FedProx", "fedprox"),
-            Row("CReFF", "creff"),
-            Row("CLIP2FL", "clip2fl"),
-        ],
-        {
-            "FedAvg": [56.17, 59.36, 77.45, 30.34, 36.35, 45.87],
-            "FedAvgM": [52.03, 57.11, 70.81, 30.80, 35.33, 44.66],
-            "FedProx": [56.92, 60.89, 76.53, 31.67, 36.30, 46.10],
-            "CReFF": [70.55, 73.08, 80.71, 34.67, 37.64, 47.08],
-            "CLIP2FL": [73.37, 75.35, 81.18, 37.56, 41.29, 48.20],
-        },
-        {"clients": 20, "participation": 0.4, "rounds": 200},
-    ),  # fmt: skip
-}
-
-# ---- Fed-MP (Zeng et al., NAACL 2024) Table 1: open-vocabulary classification, 6 datasets x 6 methods, 5 seeds.
-# The paper prints fractions (0.9936), mean ± std over its 5 repetitions; transcribed as printed
-# (../shared/papers/002_*, the table's A and Phi_F1 rows; the A rows agree with reference-notes' copy).
-_FEDMP_COLS = [
-    Column(ds, label, {"preset": ds})
-    for ds, label in (("caltech101", "Caltech101"), ("ucf101", "UCF101"), ("food101", "Food101"),
-                      ("flowers102", "Flower102"), ("fgvc-aircraft", "FGVC"), ("stanford-cars", "StanfordCars"))
-]  # fmt: skip
-_NN = ("an ImageNet ResNet-18 fine-tuned end to end, then K-means + linear assignment to the novel classes "
-       "(Fed-MP App. A): not a method on frozen CLIP features, not in fedfeat")  # fmt: skip
-_FEDMP_ROWS = [
-    Row("CLIP-ZS (not in the paper)", "zeroshot"),
-    Row("FedAvg (NN)", None, why=_NN),
-    Row("FedKA (NN)", None, why=_NN),
-    Row("PromptFL", "promptfl"),
-    Row("FedTPG", "fedtpg"),
-    Row("FedCLIP", "fedclip"),
-    Row("Fed-MP", "fed-mp"),
-]
-# Fed-MP's setting (§5.1, App. A; fedfeat.partition.openvocab.PRESET_RUN, which ``preset`` applies with the dataset's
-# client seeds): 10 clients, all of them every round, 2 rounds, 10 shots per class (8 train + 2 validation)
-_FEDMP = {"partition": "disjoint-classes", "shots": 10, "clients": 10, "participation": 1.0, "rounds": 2}
-_FEDMP_BUILD = (
-    "fedfeat encode --dataset imagefolder --root ~/data/{dataset} --name {dataset} --backbone ViT-L-14-336 "
-    "--pretrained openai --templates 'A photo of {{}}.' --out {root}` (the images as an imagefolder or listfile "
-    "tree, class names as `fedfeat.partition.openvocab.PRESETS` says; there is no make target for Fed-MP's datasets)"
-)
-
-TABLES["fed-mp-table1"] = Table(
-    "fed-mp-table1",
-    "Fed-MP Table 1: open-vocabulary classification, accuracy A on the novel classes (ViT-L/14@336, 10 clients "
-    "with disjoint classes x 10 shots, 2 rounds)",
-    "ViT-L-14-336",
-    _FEDMP_BUILD,
-    _FEDMP_COLS,
-    _FEDMP_ROWS,
-    {
-        "FedAvg (NN)": [.5090, .6491, .5521, .6365, .3369, .2844],
-        "FedKA (NN)": [.5652, .6465, .5474, .7462, .3476, .2842],
-        "PromptFL": [.9920, .8582, .9240, .8628, .7682, .9635],
-        "FedTPG": [.9909, .8473, .9257, .9025, .7661, .9519],
-        "FedCLIP": [.9185, .8855, .9719, .8829, .7841, .9590],
-        "Fed-MP": [.9936, .9127, .9828, .9098, .8082, .9721],
-    },
-    _FEDMP,
-    metric="final_acc",
-    metric_label="novel-class accuracy (%; final_acc of an open-vocabulary run)",
-    paper_scale=100.0,
-    paper_std={
-        "FedAvg (NN)": [.0627, .0869, .0055, .0421, .0182, .0076],
-        "FedKA (NN)": [.0526, .0312, .0046, .0258, .0216, .0123],
-        "PromptFL": [.0015, .0093, .0203, .0826, .0193, .0063],
-        "FedTPG": [.0037, .0424, .0359, .0394, .0065, .0164],
-        "FedCLIP": [.0285, .0178, .0008, .0215, .0089, .0025],
-        "Fed-MP": [.0010, .0225, .0005, .0251, .0199, .0032],
-    },
-    paper_avg={"FedAvg (NN)": .4947, "FedKA (NN)": .5245, "PromptFL": .8948, "FedTPG": .8974, "FedCLIP": .9003,
-               "Fed-MP": .9299},
-    transpose=True,
-    paper_format=".2f",
-    runs="fed-mp-table1",
-)  # fmt: skip
-TABLES["fed-mp-table1-f1"] = Table(
-    "fed-mp-table1-f1",
-    "Fed-MP Table 1: open-vocabulary classification, macro-F1 Phi_F1 over the novel classes (the runs of "
-    "fed-mp-table1)",
-    "ViT-L-14-336",
-    _FEDMP_BUILD,
-    _FEDMP_COLS,
-    _FEDMP_ROWS,
-    {
-        "FedAvg (NN)": [.6071, .6318, .5655, .6421, .3338, .2861],
-        "FedKA (NN)": [.6472, .6404, .5624, .7902, .3480, .2833],
-        "PromptFL": [.9784, .8318, .9162, .8872, .7063, .9619],
-        "FedTPG": [.9741, .8185, .9124, .8883, .7328, .9505],
-        "FedCLIP": [.9106, .8760, .9721, .8696, .7408, .9586],
-        "Fed-MP": [.9876, .9086, .9828, .9132, .7842, .9720],
-    },
-    _FEDMP,
-    metric="novel_f1",
-    metric_label="novel-class macro-F1 (%; sklearn's macro definition, novel_f1)",
-    paper_scale=100.0,
-    paper_std={
-        "FedAvg (NN)": [.0047, .0921, .0054, .0435, .0185, .0090],
-        "FedKA (NN)": [.0522, .0385, .0044, .0361, .0228, .0092],
-        "PromptFL": [.0047, .0093, .0260, .0485, .0224, .0076],
-        "FedTPG": [.0122, .0576, .0463, .0525, .0093, .0172],
-        "FedCLIP": [.0213, .0229, .0008, .0135, .0134, .0025],
-        "Fed-MP": [.0020, .0298, .0005, .0253, .0336, .0032],
-    },
-    paper_avg={"FedAvg (NN)": .5111, "FedKA (NN)": .5452, "PromptFL": .8803, "FedTPG": .8794, "FedCLIP": .8880,
-               "Fed-MP": .9247},
-    transpose=True,
-    paper_format=".2f",
-    runs="fed-mp-table1",
-)  # fmt: skip
-
-
-# ---- FedCoPL (Guo et al., ICCV 2025) main table: Dirichlet beta = 0.1 label shift, ViT-B/32, mean local test
-# accuracy (%), transcribed from ../shared/papers/003_* (the paper's summary; no ± printed there).
 def _cpl_params(dataset: str) -> dict:
     """CPL's per-dataset quantiles (``fedfeat.methods.pseudolabel.CPL_DEFAULTS``; CPL_GENERAL for CIFAR and UCF101)."""
     from fedfeat.methods.pseudolabel import cpl_preset
@@ -365,50 +103,64 @@ def _cpl_params(dataset: str) -> dict:
     return {"conf_quantile": str(q), "regular_threshold": str(t)}
 
 
-def _copl_col(ds: str, label: str, clients: int) -> Column:
-    return Column(ds, label, {"partition": "dirichlet-joint", "alpha": 0.1, "local_test": "joint",
-                              "clients": clients})  # fmt: skip
+TABLES_DIR = Path(__file__).with_name("tables")  # one TOML file per paper
+_PER_DATASET = {"cpl": _cpl_params}  # the names a table row's ``per_dataset`` may give
 
 
-_NOT_FEDFEAT = "{} is not in fedfeat (its nearest here: PromptFL + CPL)"
-TABLES["fedcopl-table1"] = Table(
-    "fedcopl-table1",
-    "FedCoPL main table: Dirichlet label shift (beta = 0.1), ViT-B/32, mean local test accuracy (%)",
-    "ViT-B-32",
-    "fedfeat encode --dataset {format} --root {data} --name {dataset} --backbone ViT-B-32 --pretrained openai "
-    "--templates 'a photo of a {{}}' --pixels --out {root}` (--pixels: fedcopl re-encodes images; there is no "
-    "make target for FedCoPL's datasets)",
-    [_copl_col("dtd", "DTD", 10), _copl_col("resisc45", "RESISC45", 10), _copl_col("cub", "CUB", 5),
-     _copl_col("ucf101", "UCF101", 5), _copl_col("cifar10", "CIFAR10", 10), _copl_col("cifar100", "CIFAR100", 10)],
-    [
-        Row("CLIP Zero-shot", "zeroshot"),
-        Row("PromptFL + FPL", "promptfl", {"pseudo": "fpl"}),
-        Row("pFedPrompt + CPL", None, why=_NOT_FEDFEAT.format("pFedPrompt")),
-        Row("FedOPT + CPL", None, why=_NOT_FEDFEAT.format("FedOPT")),
-        Row("PromptFL + CPL (not in the paper)", "promptfl", {"pseudo": "cpl"}, per_dataset=_cpl_params),
-        Row("FedCoPL", "fedcopl"),
-        Row("CoPL + linear head (not in the paper)", "copl-linear"),
-    ],
-    {
-        "CLIP Zero-shot": [43.24, 54.51, 51.28, 61.00, 86.93, 64.17],
-        "PromptFL + FPL": [45.79, 59.76, 47.29, 64.39, 87.51, 63.26],
-        "pFedPrompt + CPL": [44.22, 61.76, 47.23, 65.59, 90.26, 65.63],
-        "FedOPT + CPL": [37.43, 51.10, 46.61, 58.93, 91.08, 57.87],
-        "FedCoPL": [60.89, 75.76, 56.09, 73.20, 95.38, 73.59],
-    },
-    {"participation": 1.0, "rounds": 20},
-    metric="local_acc",
-    metric_label="mean local test accuracy (%; local_acc, each client's own test split)",
-    paper_avg={"CLIP Zero-shot": 60.19, "PromptFL + FPL": 61.33, "pFedPrompt + CPL": 62.45, "FedOPT + CPL": 57.17,
-               "FedCoPL": 72.49},
-    paper_format=".2f",
-)  # fmt: skip
+def _row(spec: dict) -> Row:
+    spec = dict(spec)
+    if "per_dataset" in spec:
+        hook = spec["per_dataset"]
+        if hook not in _PER_DATASET:
+            raise ValueError(f"per_dataset '{hook}' is not known; known: {', '.join(_PER_DATASET)}")
+        spec["per_dataset"] = _PER_DATASET[hook]
+    return Row(**{"method": None, **spec})  # no method: a method of the paper's that fedfeat does not have
 
-# where `fedfeat encode` reads a dataset for the encode commands above: (format, folder); others: listfile, ~/data/NAME
-_DATA = {
-    "cifar10": ("cifar10", "~/data/cifar-10-batches-py"),
-    "cifar100": ("cifar100", "~/data/cifar-100-python"),
-}
+
+def load_tables(folder: Path = TABLES_DIR) -> tuple[dict[str, Table], dict, dict]:
+    """The paper tables of ``folder/*.toml`` (in their files' ``order``), the synthetic stand-ins' shapes by
+    ``(dataset, backbone)`` and the datasets' ``(format, folder)`` for ``fedfeat encode`` hints.
+
+    A file holds ``order``; ``[synthetic.BACKBONE] DATASET = {SynthParams}``; ``[encode_data] DATASET = [format,
+    folder]``; ``[defaults]``, keys every table of the file has unless it sets its own; and ``[[table]]``s whose
+    keys are ``Table``'s fields: ``columns`` = ``Column``'s fields, ``rows`` = ``Row``'s (``method`` absent: not in
+    fedfeat; ``per_dataset`` names a function of ``_PER_DATASET``). Shapes are grouped by backbone, in the order
+    the files first give each."""
+    docs = []
+    for path in sorted(folder.glob("*.toml")):
+        try:
+            docs.append((tomllib.loads(path.read_text(encoding="utf-8")), path))
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{path}: {e}") from e
+        if not isinstance(docs[-1][0].get("order"), int):
+            raise ValueError(f"{path}: no `order = N` (where its tables come in the list)")
+    tables: dict[str, Table] = {}
+    shapes: dict[str, dict[str, dict]] = {}
+    data: dict[str, tuple[str, str]] = {}
+    for doc, path in sorted(docs, key=lambda d: d[0]["order"]):
+        for backbone, by_dataset in doc.get("synthetic", {}).items():
+            for dataset, shape in by_dataset.items():
+                if shapes.setdefault(backbone, {}).setdefault(dataset, shape) != shape:
+                    raise ValueError(f"{path}: another file gives {dataset} under {backbone} another shape")
+        data.update({dataset: tuple(where) for dataset, where in doc.get("encode_data", {}).items()})
+        for spec in doc.get("table", []):
+            spec = {**doc.get("defaults", {}), **spec}
+            try:
+                if spec["name"] in tables:
+                    raise ValueError("a table of this name comes earlier")
+                columns = [Column(**c) for c in spec["columns"]]
+                table = Table(**{**spec, "columns": columns, "rows": [_row(r) for r in spec["rows"]]})
+            except (TypeError, KeyError, ValueError) as e:
+                why = f"no {e}" if isinstance(e, KeyError) else e
+                raise ValueError(f"{path}: table {spec.get('name')!r}: {why}") from e
+            tables[table.name] = table
+    return tables, {(ds, bb): s for bb, by_ds in shapes.items() for ds, s in by_ds.items()}, data
+
+
+# the tables by name; the synthetic stand-ins (``--synthetic``) by (dataset, backbone): ``SynthParams`` fields;
+# where ``fedfeat encode`` reads a dataset for the encode commands of ``make_target``: (format, folder), others
+# ``listfile``, ``~/data/NAME``
+TABLES, SYNTH_SHAPES, _DATA = load_tables()
 
 
 def build_hint(table: Table, dataset: str, root: Path) -> str:
@@ -444,8 +196,8 @@ def find_store(root: Path, dataset: str, backbone: str, table: Table, synthetic:
 def drawable(table: Table, stores: dict[str, Path]) -> dict[int, str]:
     """Columns whose partition cannot be drawn on their store, with the partitioner's reason (FedNTD's Dirichlet
     rule never gives 100 clients >= 10 samples each at alpha = 0.05 on 10 classes: its code loops forever)."""
-    from fedfeat.runs.session import open_store, run_partition
     from fedfeat.runs.config import resolve_config
+    from fedfeat.runs.session import open_store, run_partition
 
     bad = {}
     for c, col in enumerate(table.columns):
@@ -475,8 +227,8 @@ def runnable(table: Table, stores: dict[str, Path], skip=()) -> dict[tuple[int, 
     or whose encoder cannot be rebuilt here (loaded now, inside the sweep's session, and reused by the runs); a
     method that re-encodes images (``fedcopl``) on a store without pixels. Columns in ``skip`` are left out."""
     from fedfeat.engine.rounds import resolve_device
-    from fedfeat.runs.session import _live_text, open_store
     from fedfeat.runs.config import resolve_config
+    from fedfeat.runs.session import _live_text, open_store
 
     out: dict[tuple[int, int], str] = {}
     for r, row in enumerate(table.rows):
@@ -684,8 +436,8 @@ def reproduce(
     log=print,
 ) -> str:
     """Run table ``name``'s grid (finished runs are reused) and return it rendered."""
-    from fedfeat.runs.sweep import run_sweep
     from fedfeat.report.load import load_run
+    from fedfeat.runs.sweep import run_sweep
 
     if name not in TABLES:
         raise FedfeatError(f"unknown table '{name}'; known: {', '.join(TABLES)}")
