@@ -28,7 +28,8 @@ from bench_engine import machine, write_table  # noqa: E402  (one description of
 
 def measure(store, method_name: str, clients: int, participation: float, rounds: int, where: Path) -> dict:
     from fedfeat.engine import checkpoint
-    from fedfeat.engine.rounds import load_run_data, run_federated
+    from fedfeat.engine.data import load_run_data
+    from fedfeat.engine.rounds import run_federated
     from fedfeat.methods import get_method
     from fedfeat.partition.stored import store_partition
 

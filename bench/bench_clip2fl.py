@@ -58,7 +58,8 @@ def store_for(shape: str):
 
 
 def rounds_of(shape: str, engine: str, device: str) -> dict:
-    from fedfeat.engine.rounds import load_run_data, run_federated
+    from fedfeat.engine.data import load_run_data
+    from fedfeat.engine.rounds import run_federated
     from fedfeat.methods import get_method
     from fedfeat.partition.stored import store_partition
 

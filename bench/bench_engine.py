@@ -117,7 +117,8 @@ def one(
     method: str, clients: int, participation: float, engine: str, rounds: int, store: str, device: str,
     kernel: str = "auto",
 ) -> dict:  # fmt: skip
-    from fedfeat.engine.rounds import load_run_data, run_federated
+    from fedfeat.engine.data import load_run_data
+    from fedfeat.engine.rounds import run_federated
     from fedfeat.methods import get_method
     from fedfeat.partition.stored import store_partition
     from fedfeat.store.featurestore import FeatureStore

@@ -27,7 +27,8 @@ from bench_engine import machine, write_table  # noqa: E402  (one description of
 
 def one(store: str, method: str, engine: str, rounds: int) -> list[float]:
     """Round times of one process (rounds 1..R; round 0 is the evaluation before training)."""
-    from fedfeat.engine.rounds import load_run_data, run_federated
+    from fedfeat.engine.data import load_run_data
+    from fedfeat.engine.rounds import run_federated
     from fedfeat.methods import get_method
     from fedfeat.partition.stored import store_partition
     from fedfeat.store.featurestore import FeatureStore

@@ -55,9 +55,11 @@ def one(store: str, engine: str, rounds: int) -> dict:
     import torch
 
     from fedfeat.encoders.live import load_live_text
-    from fedfeat.engine.rounds import load_run_data, make_plan, run_federated
+    from fedfeat.engine.context import make_plan
+    from fedfeat.engine.data import load_run_data
+    from fedfeat.engine.rounds import run_federated
     from fedfeat.methods import get_method
-    from fedfeat.partition.schemes import make_partition
+    from fedfeat.partition.make import make_partition
     from fedfeat.store.featurestore import FeatureStore
 
     torch.manual_seed(0)
@@ -72,7 +74,7 @@ def one(store: str, engine: str, rounds: int) -> dict:
     sizes = torch.diff(data.offsets)
     client_steps = int(((sizes + m.p.batch_size - 1) // m.p.batch_size).sum())
     # the ceiling: the tower's forward + backward over the active clients' prompts, step by step
-    from fedfeat.engine.rounds import build_context
+    from fedfeat.engine.data import build_context
 
     ctx = build_context(data, m, 0, torch.device("cpu"))
     plan = make_plan(ctx, 1, list(range(10)), m.p.batch_size, 1)

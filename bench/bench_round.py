@@ -63,9 +63,9 @@ def main() -> None:
         print(lines[-1], flush=True)
     # a third design: ten runs stacked (fedfeat sweep's default for seeds and hyperparameter grids): one evaluation
     # product for the ten heads reads the test features once per round for all of them
-    from fedfeat.engine.rounds import load_run_data
+    from fedfeat.engine.data import load_run_data
     from fedfeat.methods import get_method
-    from fedfeat.partition.schemes import make_partition
+    from fedfeat.partition.make import make_partition
     from fedfeat.runs.stack import run_stacked
     from fedfeat.store.featurestore import FeatureStore
 

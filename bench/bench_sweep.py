@@ -38,9 +38,10 @@ def timed(cmds: list[list[str]]) -> float:
 
 def in_process(store: str, method: str, kernel: str, repeats: int) -> tuple[float, float, float]:
     """(one run, ten one by one, ten stacked) seconds of the program alone."""
-    from fedfeat.engine.rounds import load_run_data, run_federated
+    from fedfeat.engine.data import load_run_data
+    from fedfeat.engine.rounds import run_federated
     from fedfeat.methods import get_method
-    from fedfeat.partition.schemes import make_partition
+    from fedfeat.partition.make import make_partition
     from fedfeat.runs.stack import run_stacked
     from fedfeat.store.featurestore import FeatureStore
 

@@ -51,6 +51,7 @@ def main() -> None:
             "bench_round.py",
             "bench_fedcopl.py",
             "bench_sweep.py",
+            "bench_plugin.py",
         ):
             path = ROOT / "bench" / script
             if path.exists():

@@ -139,7 +139,7 @@ def simulate(argv: list[str] | None = None) -> None:
     from flwr.simulation import run_simulation
 
     from fedfeat.integrations.flower import load_partition
-    from fedfeat.partition.schemes import to_json
+    from fedfeat.partition.core import to_json
     from fedfeat.report.stores import store_partition
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -241,7 +241,7 @@ def test_hf_local_cache_is_read_offline(folder, tmp_path, monkeypatch):
     assert [n for n, _ in ds.files()] == sorted(["pets-train.arrow", "pets-validation.arrow", *ext])
     rows, other = ds.rows_of_files({ext[3]})
     assert other == set() and list(rows) == ["test"] and rows["test"].tolist() == [3]
-    from fedfeat.data.hf import default_store_name
+    from fedfeat.data.external import default_store_name
 
     assert default_store_name("hf:tiny/pets:default", tmp_path) == "pets-default"
     t = time.monotonic()

@@ -6,13 +6,15 @@ import numpy as np
 import pytest
 import torch
 
+from fedfeat.engine.context import Batch, LabelAccessError, sample_clients
+from fedfeat.engine.data import load_run_data
 from fedfeat.engine.optim import BatchedSGD
-from fedfeat.engine.rounds import Batch, LabelAccessError, load_run_data, run_federated, sample_clients
+from fedfeat.engine.rounds import run_federated
 from fedfeat.methods import get_method
 from fedfeat.methods.base import REGISTRY
 from fedfeat.methods.fst_cbdg import balanced_counts, soft_label_update
 from fedfeat.methods.linear import ntd_loss
-from fedfeat.partition.schemes import make_partition
+from fedfeat.partition.make import make_partition
 from fedfeat.store.synth import SynthParams, write_synthetic_store
 
 
@@ -270,7 +272,7 @@ def test_label_free_methods_cannot_read_labels(small):
             cls, "needs_live_text", False
         ):  # (live ones: test_prompt, fedcopl)
             m = get_method(name)
-            from fedfeat.engine.rounds import build_context
+            from fedfeat.engine.data import build_context
 
             assert build_context(data, m, 0, torch.device("cpu")).labels is None, name
     b = Batch(

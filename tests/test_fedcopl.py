@@ -11,9 +11,10 @@ import torch
 from helpers_clip import TINY_NAME, cli_error_text, make_tiny_clip, run_cli, write_cifar10
 
 from fedfeat.encoders.live import load_live_text
-from fedfeat.engine.rounds import load_run_data, run_federated
+from fedfeat.engine.data import load_run_data
+from fedfeat.engine.rounds import run_federated
 from fedfeat.methods import get_method
-from fedfeat.partition.schemes import make_partition
+from fedfeat.partition.make import make_partition
 from fedfeat.store.featurestore import FeatureStore
 
 FAST = {

@@ -8,8 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fedfeat.engine.context import Context, RoundPlan, make_plan
+from fedfeat.engine.data import RunData, build_context
 from fedfeat.engine.optim import BatchedAdam
-from fedfeat.engine.rounds import Context, RoundPlan, RunData, build_context, make_plan, run_federated
+from fedfeat.engine.rounds import run_federated
 from fedfeat.errors import FedfeatError
 from fedfeat.methods import get_method
 from fedfeat.methods.fedmp import ADAPTER, adapter_init, clip_loss, entropy, prototype_stream, xi_weights

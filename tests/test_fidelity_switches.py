@@ -8,10 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from fedfeat.engine.rounds import RoundPlan, build_context, load_run_data, make_plan, run_federated
+from fedfeat.engine.context import RoundPlan, make_plan
+from fedfeat.engine.data import build_context, load_run_data
+from fedfeat.engine.rounds import run_federated
 from fedfeat.methods import get_method
 from fedfeat.methods.fst_cbdg import balanced_counts
-from fedfeat.partition.schemes import Partition, make_partition
+from fedfeat.partition.core import Partition
+from fedfeat.partition.make import make_partition
 from fedfeat.store.synth import SynthParams, write_synthetic_store
 
 

@@ -100,7 +100,7 @@ def test_partitioner_refuses_a_dataset_that_is_not_the_stores_split(made):
 def test_dirichlet_joint_local_test_clients(made, tmp_path):
     pytest.importorskip("flwr_datasets")
     from fedfeat.integrations.flower import FedfeatPartitioner
-    from fedfeat.partition.schemes import make_partition
+    from fedfeat.partition.make import make_partition
 
     path = made[0]
     st = FeatureStore.open(path)

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from fedfeat.engine import rounds as engine
-from fedfeat.engine.rounds import load_run_data, run_federated
+from fedfeat.engine.data import load_run_data
+from fedfeat.engine.rounds import run_federated
 from fedfeat.methods import get_method
-from fedfeat.partition.schemes import make_partition
+from fedfeat.partition.make import make_partition
 from fedfeat.store.synth import SynthParams, write_synthetic_store
 
 RUNS = (("loop", "torch"), ("batched", "torch"), ("batched", "fused"))

@@ -8,9 +8,9 @@ import reference_partitions as ref
 import torch
 from typer.testing import CliRunner
 
+import fedfeat.partition as P
 from fedfeat.cli.app import app
 from fedfeat.partition import openvocab as ov
-from fedfeat.partition import schemes as P
 
 runner = CliRunner()
 

@@ -16,8 +16,10 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+import fedfeat.partition as P
+import fedfeat.partition.core as C
+import fedfeat.partition.schemes as S
 from fedfeat.errors import FedfeatError
-from fedfeat.partition import schemes as P
 
 try:
     from tests import reference_partitions as ref
@@ -150,8 +152,8 @@ def test_degenerate_draws_follow_the_reference(monkeypatch):
     """alpha = 0.001: Dirichlet draws underflow to all-zero / NaN proportions; the reference then cuts at
     NaN cast to int and np.split decides who gets the class. Both schemes must follow it there too."""
     hits = []
-    real = P._piece_sizes
-    monkeypatch.setattr(P, "_piece_sizes", lambda cuts, n: hits.append(n) or real(cuts, n))
+    real = S._piece_sizes
+    monkeypatch.setattr(S, "_piece_sizes", lambda cuts, n: hits.append(n) or real(cuts, n))
     ours = P.dirichlet(UNEVEN, 3, 0.001, seed=1)
     seeded(1)
     assert_same_clients(ours, ref.lda_partition(UNEVEN, 3, 0.001))
@@ -340,7 +342,7 @@ def test_user_errors_name_the_fix(call, fix):
 
 
 def test_dirichlet_gives_up_instead_of_looping_forever(monkeypatch):
-    monkeypatch.setattr(P, "_MAX_DRAWS", 50)
+    monkeypatch.setattr(S, "_MAX_DRAWS", 50)
     labels = np.repeat(np.arange(2), [99, 1])  # 10 clients x 10: one client must take the lone sample
     with pytest.raises(FedfeatError, match="use fewer clients or a larger alpha"):
         P.dirichlet(labels, 10, 0.05, seed=0)
@@ -361,7 +363,7 @@ SEEDS = st.integers(0, 2**32 - 1)
 PROPERTY = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
 # Our draws are the reference's, so whatever succeeds within this many redraws succeeds in the reference too;
 # a tighter cap than the library's only keeps rejected examples fast.
-FEW_DRAWS = mock.patch.object(P, "_MAX_DRAWS", 300)
+FEW_DRAWS = mock.patch.object(S, "_MAX_DRAWS", 300)
 
 
 @PROPERTY
@@ -555,7 +557,7 @@ def test_dirichlet_joint_is_fedcopls_split_bit_for_bit(seed, beta, parties):
     p = P.make_partition(train, "dirichlet-joint", clients=parties, alpha=beta, seed=seed, test_labels=test)
     assert [c.tolist() for c in p.clients] == want
     assert p.params["test_clients"] == want_t
-    assert P.partition_key(p) == f"dirichlet-joint-a{P._plain(beta)}-c{parties}-s{seed}"
+    assert P.partition_key(p) == f"dirichlet-joint-a{C._plain(beta)}-c{parties}-s{seed}"
     # the test split follows the train proportions: same draw per class
     tr = p.counts(train, 10) / np.maximum(p.counts(train, 10).sum(0), 1)
     tc = np.array([np.bincount(test[t], minlength=10) for t in want_t])

@@ -22,10 +22,11 @@ from helpers_clip import (
 
 from fedfeat.encoders.live import load_live_text
 from fedfeat.encoders.prompt import PromptLearner, TextTower
-from fedfeat.engine.rounds import load_run_data, run_federated
+from fedfeat.engine.data import load_run_data
+from fedfeat.engine.rounds import run_federated
 from fedfeat.errors import FedfeatError
 from fedfeat.methods import get_method
-from fedfeat.partition.schemes import make_partition
+from fedfeat.partition.make import make_partition
 from fedfeat.store.featurestore import FeatureStore
 
 NAMES = ["cat", "dog", "sea lion", "aquarium fish", "great white shark"]
@@ -418,7 +419,7 @@ def test_unsupervised_promptfl_never_sees_labels_and_batched_equals_loop(store, 
 @pytest.mark.parametrize("pseudo", ["fpl", "copl"])
 def test_unsupervised_promptfl_trains_on_exactly_the_selected_rows(store, live, pseudo):
     """The clients' training rows after setup are FPL's (CoPL's) selection of the zero-shot probabilities."""
-    from fedfeat.engine.rounds import build_context
+    from fedfeat.engine.data import build_context
     from fedfeat.methods import pseudolabel as pl
     from fedfeat.methods.copl import CoPL
 

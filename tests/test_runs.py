@@ -465,8 +465,8 @@ def test_local_test_reports_the_mean_of_per_client_accuracies(store, tmp_path):
     test rows; recomputed here from the run's weights, predictions and the split."""
     import numpy as np
 
-    from fedfeat.engine.rounds import load_run_data
-    from fedfeat.partition.schemes import local_test_split, make_partition
+    from fedfeat.engine.data import load_run_data
+    from fedfeat.partition.make import local_test_split, make_partition
     from fedfeat.store.featurestore import FeatureStore
 
     args = ["train", "--method", "zeroshot", "--store", str(store), "--clients", "4", "--partition", "dirichlet",
@@ -494,8 +494,8 @@ def test_local_test_reports_the_mean_of_per_client_accuracies(store, tmp_path):
 def test_local_test_joint_uses_the_test_split_drawn_with_the_partition(store, tmp_path):
     import numpy as np
 
-    from fedfeat.engine.rounds import load_run_data
-    from fedfeat.partition.schemes import make_partition
+    from fedfeat.engine.data import load_run_data
+    from fedfeat.partition.make import make_partition
     from fedfeat.store.featurestore import FeatureStore
 
     args = ["train", "--method", "zeroshot", "--store", str(store), "--clients", "4", "--partition",

@@ -7,10 +7,11 @@ import pytest
 import torch
 from helpers_clip import run_cli
 
-from fedfeat.engine.rounds import load_run_data, run_federated
+from fedfeat.engine.data import load_run_data
+from fedfeat.engine.rounds import run_federated
 from fedfeat.errors import FedfeatError
 from fedfeat.methods import get_method
-from fedfeat.partition.schemes import make_partition
+from fedfeat.partition.make import make_partition
 from fedfeat.runs.stack import run_stacked
 from fedfeat.store.featurestore import FeatureStore
 

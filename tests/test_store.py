@@ -7,7 +7,7 @@ import pytest
 
 from fedfeat.errors import FedfeatError
 from fedfeat.partition import stored
-from fedfeat.partition.schemes import make_partition
+from fedfeat.partition.make import make_partition
 from fedfeat.store.featurestore import FORMAT_VERSION, FeatureStore, default_chunk_rows, fingerprint_hash
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedfeat.engine.rounds import evaluate, load_run_data, run_federated
+from fedfeat.engine.data import load_run_data
+from fedfeat.engine.rounds import evaluate, run_federated
 from fedfeat.errors import FedfeatError
 from fedfeat.methods import get_method
 from fedfeat.methods.base import REGISTRY
@@ -23,7 +24,7 @@ from fedfeat.methods.synthesis import (
     pcl_loss_paper,
     retrain_head,
 )
-from fedfeat.partition.schemes import make_partition
+from fedfeat.partition.make import make_partition
 from fedfeat.runs.train import group_accuracy, shot_groups
 from fedfeat.store.synth import SynthParams, write_synthetic_store
 
@@ -218,7 +219,8 @@ def test_clip2fl_step_loss_is_creff_when_student_logits_equal_clip(lt):
     makes it larger."""
     st, part = lt
     data = load_run_data(st, part, dtype=torch.float64)
-    from fedfeat.engine.rounds import Batch, build_context
+    from fedfeat.engine.context import Batch
+    from fedfeat.engine.data import build_context
 
     sets = {"logit_scale": "100", "init": "text"}
     c2, cr = get_method("clip2fl", sets), get_method("creff", sets)

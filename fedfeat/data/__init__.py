@@ -31,9 +31,7 @@ def open_dataset(name: str, root: str | Path, options: dict | None = None) -> Im
     """
     opts = {k: v for k, v in (options or {}).items() if v is not None}
     if name.startswith(("hf:", "wds:")):
-        from fedfeat.data.hf import open_external
-
-        return open_external(name, Path(root).expanduser(), **opts)
+        return _open_external(name, Path(root).expanduser(), **opts)
     if opts:
         flag = "--" + next(iter(opts)).replace("_", "-")
         raise FedfeatError(f"{flag} applies to hf: and wds: datasets only, not to '{name}'; drop it")
@@ -47,3 +45,24 @@ def open_dataset(name: str, root: str | Path, options: dict | None = None) -> Im
     if not root.exists():
         raise FedfeatError(f"dataset root {root} does not exist; expected {DATASETS[name].layout}")
     return DATASETS[name](root)
+
+
+def _open_external(
+    spec: str,
+    root: Path,
+    image_column: str | None = None,
+    label_column: str | None = None,
+    classnames: str | Path | None = None,
+) -> ImageDataset:
+    """``hf:NAME[:CONFIG]`` or ``wds:PATTERN`` (relative names against ``root``) as an ``ImageDataset``."""
+    names = Path(classnames).expanduser() if classnames is not None else None
+    if names is not None and not names.is_file():
+        raise FedfeatError(f"--classnames {names} not found; give a text file with one class name per line")
+    kind, _, rest = spec.partition(":")
+    if kind == "hf":
+        from fedfeat.data.hf import HFDataset
+
+        return HFDataset(rest, root, image_column, label_column, names)
+    from fedfeat.data.wds import WebDataset
+
+    return WebDataset(rest, root, image_column, label_column, names)

@@ -35,7 +35,7 @@ import numpy as np
 
 from fedfeat.errors import FedfeatError
 from fedfeat.partition import stored
-from fedfeat.partition.schemes import Partition, from_json
+from fedfeat.partition.core import Partition, from_json
 from fedfeat.store.featurestore import FeatureStore
 
 __all__ = [  # and FedfeatPartitioner (made on first use: flwr-datasets is optional)
@@ -238,7 +238,7 @@ def _partitioner_class():
         @classmethod
         def from_json(cls, path, *, store=None, label_column: str | None = None, test: bool = False):
             """A partition exported with ``fedfeat partition STORE ... --export FILE``."""
-            from fedfeat.partition.schemes import from_json
+            from fedfeat.partition.core import from_json
 
             return cls(from_json(path), store=store, label_column=label_column, test=test)
 

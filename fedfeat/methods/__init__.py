@@ -20,6 +20,7 @@ from fedfeat.methods import fedmp, promptfl, fedcopl  # noqa: E402, F401
 
 # isort: on
 from fedfeat.methods.base import REGISTRY, Method, get_method, method_table, register  # noqa: E402
+from fedfeat.methods.head import LinearHead, LinearHeadParams  # noqa: E402
 
 ENTRY_POINT_GROUP = "fedfeat.methods"
 
@@ -50,4 +51,4 @@ def load_plugins() -> list[str]:
 
 load_plugins()
 
-__all__ = ["REGISTRY", "Method", "get_method", "method_table", "register"]
+__all__ = ["REGISTRY", "LinearHead", "LinearHeadParams", "Method", "get_method", "method_table", "register"]

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedfeat.engine.context import Context, RoundPlan, fedavg, param_bytes, sample_clients
 from fedfeat.engine.optim import BatchedSGD
-from fedfeat.engine.rounds import Context, RoundPlan, fedavg, param_bytes, sample_clients
 from fedfeat.errors import FedfeatError
 
 REGISTRY: dict[str, type[Method]] = {}

@@ -49,8 +49,8 @@ import torch
 import torch.nn.functional as F
 
 from fedfeat.engine import rng
+from fedfeat.engine.context import Batch, Context, RoundPlan, fedavg, masked_mean
 from fedfeat.engine.optim import BatchedAdam
-from fedfeat.engine.rounds import Batch, Context, RoundPlan, fedavg, masked_mean
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import Method, register
 

@@ -65,7 +65,7 @@ import torch
 import torch.nn.functional as F
 
 from fedfeat.engine import rng
-from fedfeat.engine.rounds import (
+from fedfeat.engine.context import (
     Context,
     RoundPlan,
     fedavg,

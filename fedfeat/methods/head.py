@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedfeat.engine.rounds import Batch, Context, fused_batches, masked_mean
+from fedfeat.engine.context import Batch, Context, fused_batches, masked_mean
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import Method
 

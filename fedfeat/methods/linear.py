@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fedfeat.engine.rounds import Context, RoundPlan, masked_mean
+from fedfeat.engine.context import Context, RoundPlan, masked_mean
 from fedfeat.methods.base import register
 from fedfeat.methods.head import LinearHead, LinearHeadParams
 

@@ -83,7 +83,7 @@ import torch
 import torch.nn.functional as F
 
 from fedfeat.engine import rng
-from fedfeat.engine.rounds import Context, RoundPlan, masked_mean
+from fedfeat.engine.context import Context, RoundPlan, masked_mean
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import register
 from fedfeat.methods.head import LinearHead, LinearHeadParams

@@ -43,14 +43,9 @@ Example::
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import operator
-import os
 import random
-import tempfile
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -58,23 +53,18 @@ from fedfeat.errors import FedfeatError
 
 __all__ = [
     "CLIP2FL_SEED",
+    "FEDCOPL_SEED",
     "FEDMP_SEED",
     "FEDNTD_SEED",
     "SCHEMES",
-    "Partition",
-    "default_seed",
     "dirichlet",
     "dirichlet_equal",
+    "dirichlet_joint",
     "disjoint_classes",
-    "from_json",
     "iid",
-    "local_test_split",
     "longtail",
     "longtail_counts",
-    "make_partition",
-    "partition_key",
     "shard",
-    "to_json",
 ]
 
 SCHEMES: tuple[str, ...] = (
@@ -93,69 +83,6 @@ FEDMP_SEED = 0  # Fed-MP: np.random.seed(i + 1) for client i (Caltech, Food, Flo
 _MAX_DRAWS = 10_000  # the references loop forever when no draw succeeds; fedfeat gives up with an error
 _AUX_WORKERS = 10  # CLIP2FL's n_auxi_workers: Dirichlet workers per chunk
 _SEED_MAX = 2**32 - 1  # np.random.RandomState accepts 0 .. 2**32 - 1
-
-
-# ----------------------------------------------------------------------------------------- the result
-
-
-@dataclass(frozen=True, eq=False)
-class Partition:
-    """A split's partition: ``clients[i]`` = int64 positions into the split, in client i's own order."""
-
-    scheme: str
-    params: dict  # every parameter (scheme, clients, alpha, shards, imbalance_factor, seed, ...); JSON-safe
-    clients: list[np.ndarray]
-
-    @property
-    def n_clients(self) -> int:
-        return len(self.clients)
-
-    def sizes(self) -> np.ndarray:
-        """Samples per client, int64 ``[clients]``."""
-        return np.array([len(c) for c in self.clients], dtype=np.int64)
-
-    def order_and_offsets(self) -> tuple[np.ndarray, np.ndarray]:
-        """Client-major concatenation ``order`` int64 ``[M]`` and ``offsets`` int64 ``[clients + 1]``.
-
-        Client i holds ``order[offsets[i]:offsets[i + 1]]`` (the storage layout: one client = one read).
-        """
-        offsets = np.zeros(self.n_clients + 1, dtype=np.int64)
-        np.cumsum(self.sizes(), out=offsets[1:])
-        order = np.concatenate(self.clients).astype(np.int64) if self.clients else np.zeros(0, np.int64)
-        return order, offsets
-
-    @classmethod
-    def from_order_and_offsets(cls, scheme: str, params: dict, order, offsets) -> Partition:
-        """Inverse of ``order_and_offsets``."""
-        order = np.asarray(order, dtype=np.int64)
-        offsets = np.asarray(offsets, dtype=np.int64)
-        if (
-            order.ndim != 1
-            or offsets.ndim != 1
-            or len(offsets) < 1
-            or offsets[0] != 0
-            or offsets[-1] != len(order)
-            or np.any(np.diff(offsets) < 0)
-        ):
-            raise FedfeatError(
-                f"partition '{scheme}' is corrupt: offsets must rise from 0 to len(order)={len(order)}; "
-                "rebuild it (fedfeat partition) or delete it from the store"
-            )
-        return cls(scheme, dict(params), [order[a:b] for a, b in itertools.pairwise(offsets)])
-
-    def counts(self, labels, n_classes: int) -> np.ndarray:
-        """Samples per client and class, int64 ``[clients, classes]``."""
-        labels = np.asarray(labels)
-        order, offsets = self.order_and_offsets()
-        owner = np.repeat(np.arange(self.n_clients), np.diff(offsets))
-        flat = np.bincount(owner * n_classes + labels[order], minlength=self.n_clients * n_classes)
-        return flat.reshape(self.n_clients, n_classes).astype(np.int64)
-
-    def unassigned(self, n: int) -> np.ndarray:
-        """Positions in ``0..n-1`` that no client holds (iid remainder, long-tail cut, Fed-MP's unused...)."""
-        held = np.zeros(n, dtype=bool)
-        held[self.order_and_offsets()[0]] = True
-        return np.flatnonzero(~held)
 
 
 # ----------------------------------------------------------------------------------------- checks
@@ -631,218 +558,3 @@ def disjoint_classes(
             picked.append(rs.choice(pool, shots, replace=False) if len(pool) >= shots else pool)
         clients.append(np.concatenate(picked).astype(np.int64))
     return clients, np.array(remaining, dtype=np.int64)
-
-
-# ----------------------------------------------------------------------------------------- composition
-
-
-def default_seed(scheme: str, imbalance_factor: float | None = None) -> int:
-    """The seed a scheme's reference code uses: CLIP2FL's 7 whenever the long tail is involved."""
-    if imbalance_factor is not None or scheme == "dirichlet-equal":
-        return CLIP2FL_SEED
-    if scheme == "disjoint-classes":
-        return FEDMP_SEED
-    if scheme == "dirichlet-joint":
-        return FEDCOPL_SEED
-    return FEDNTD_SEED
-
-
-_USES = {  # which optional parameters each scheme takes
-    "iid": (),
-    "shard": ("shards",),
-    "dirichlet": ("alpha",),
-    "dirichlet-equal": ("alpha",),
-    "disjoint-classes": ("shots",),
-    "dirichlet-joint": ("alpha",),
-}
-
-
-def make_partition(
-    labels,
-    scheme: str,
-    *,
-    clients: int,
-    alpha: float | None = None,
-    shards: int | None = None,
-    imbalance_factor: float | None = None,
-    seed: int | None = None,
-    shots: int | None = None,
-    n_classes: int | None = None,
-    test_labels=None,
-) -> Partition:
-    """Partition a split by name; the one entry point the CLI and the store use.
-
-    ``dirichlet-joint`` (FedCoPL) partitions the test split with the same draws: pass its labels as
-    ``test_labels``; the clients' test positions are ``params["test_clients"]``.
-
-    With ``imbalance_factor``, the split is first cut to CLIP2FL's long tail (``longtail``) and the scheme
-    runs on the kept samples, in ``longtail``'s order (class-major, shuffled within a class: what CLIP2FL feeds
-    its partitioner), and the clients are mapped back to split positions. One ``seed`` drives both steps,
-    each from a fresh generator (as in CLIP2FL: ``np.random.seed(7)`` for the tail, ``RandomState(7)`` for the
-    Dirichlet). Default seed: ``default_seed(scheme, imbalance_factor)`` (FedNTD's 19940817 for iid / shard /
-    dirichlet, CLIP2FL's 7 for dirichlet-equal and for anything with a long tail, 0 for disjoint-classes).
-    ``shards`` defaults to 2 (FedNTD). ``n_classes`` defaults to ``labels.max() + 1``.
-
-    >>> p = make_partition(np.repeat(np.arange(10), 100), "shard", clients=10)
-    >>> partition_key(p), p.sizes().tolist()[:3]
-    ('shard-sh2-c10-s19940817', [100, 100, 100])
-    """
-    labels = _labels(labels)
-    if scheme not in SCHEMES:
-        hint = (
-            " (the long tail is not a scheme: pass imbalance_factor with any scheme)"
-            if scheme == "longtail"
-            else ""
-        )
-        raise FedfeatError(f"unknown partition scheme {scheme!r}{hint}; choose one of: {', '.join(SCHEMES)}")
-    given = {"alpha": alpha, "shards": shards, "shots": shots}
-    for name, value in given.items():
-        if value is not None and name not in _USES[scheme]:
-            raise FedfeatError(
-                f"{name} does not apply to scheme {scheme!r}; drop {name} or pick a scheme that uses it"
-            )
-    if scheme in ("dirichlet", "dirichlet-equal", "dirichlet-joint") and alpha is None:
-        raise FedfeatError(f"scheme {scheme!r} needs alpha; pass e.g. alpha=0.5 (smaller = more skewed)")
-    if scheme == "dirichlet-joint" and (test_labels is None or imbalance_factor is not None):
-        raise FedfeatError(
-            "scheme 'dirichlet-joint' partitions the train and test splits together: it needs the test labels "
-            "(a store with a test split) and no imbalance factor"
-        )
-    if scheme == "disjoint-classes" and shots is None:
-        raise FedfeatError("scheme 'disjoint-classes' needs shots; pass the samples per class, e.g. shots=10")
-    n_cls = _n_classes(labels, n_classes)
-    if seed is None:
-        seed = default_seed(scheme, imbalance_factor)
-    if scheme == "shard" and shards is None:
-        shards = 2
-
-    if imbalance_factor is not None:
-        kept = longtail(labels, imbalance_factor, seed, n_classes=n_cls)
-    else:
-        kept = np.arange(len(labels), dtype=np.int64)
-    sub = labels[kept]
-    extra: dict = {}
-    if scheme == "iid":
-        parts = iid(sub, clients, seed)
-    elif scheme == "shard":
-        parts = shard(sub, clients, shards, seed)
-    elif scheme == "dirichlet":
-        parts = dirichlet(sub, clients, alpha, seed)
-    elif scheme == "dirichlet-equal":
-        parts = dirichlet_equal(sub, clients, alpha, seed, n_classes=n_cls)
-    elif scheme == "dirichlet-joint":
-        parts, tparts = dirichlet_joint(sub, _labels(test_labels), clients, alpha, seed, n_classes=n_cls)
-        extra["test_clients"] = [t.tolist() for t in tparts]
-    else:
-        parts, novel = disjoint_classes(sub, clients, shots, seed, n_classes=n_cls)
-        extra["novel_classes"] = novel.tolist()
-    parts = [kept[p] for p in parts]
-    empty = [i for i, p in enumerate(parts) if len(p) == 0]
-    if empty:
-        raise FedfeatError(
-            f"{scheme}: {len(empty)} of {len(parts)} clients got no samples (first: client {empty[0]}); "
-            "use fewer clients"
-        )
-    params = {
-        "scheme": scheme,
-        "clients": int(clients),
-        "alpha": None if alpha is None else float(alpha),
-        "shards": None if shards is None else int(shards),
-        "imbalance_factor": None if imbalance_factor is None else _plain(imbalance_factor),
-        "seed": int(seed),
-        "shots": None if shots is None else int(shots),
-        "n_classes": n_cls,
-        "n_samples": len(labels),
-        **extra,
-    }
-    return Partition(scheme, params, parts)
-
-
-def _plain(x) -> int | float:
-    """A number as the int it is, or a float (JSON-safe, and '100' not '100.0' in keys)."""
-    x = float(x)
-    return int(x) if x.is_integer() else x
-
-
-def partition_key(partition_or_params) -> str:
-    """Short readable storage key, unique per parameter set.
-
-    >>> partition_key({"scheme": "dirichlet-equal", "clients": 20, "alpha": 0.5, "imbalance_factor": 100,
-    ...                "seed": 7})
-    'lt100+dirichlet-equal-a0.5-c20-s7'
-    """
-    p = partition_or_params.params if isinstance(partition_or_params, Partition) else partition_or_params
-    key = p["scheme"]
-    if p.get("shards") is not None:
-        key += f"-sh{int(p['shards'])}"
-    if p.get("alpha") is not None:
-        key += f"-a{_plain(p['alpha'])}"
-    if p.get("shots") is not None:
-        key += f"-shot{int(p['shots'])}"
-    key += f"-c{int(p['clients'])}-s{int(p['seed'])}"
-    if p.get("imbalance_factor") is not None:
-        key = f"lt{_plain(p['imbalance_factor'])}+{key}"
-    return key
-
-
-def to_json(partition: Partition, path) -> None:
-    """Write ``{"scheme", "params", "clients": [[position, ...], ...]}`` atomically (tmp file + rename)."""
-    path = Path(path)
-    doc = {
-        "scheme": partition.scheme,
-        "params": partition.params,
-        "clients": [np.asarray(c).tolist() for c in partition.clients],
-    }
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, separators=(",", ":"))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def from_json(path) -> Partition:
-    """Read a file written by ``to_json``."""
-    try:
-        doc = json.loads(Path(path).read_text())
-        return Partition(
-            doc["scheme"], doc["params"], [np.asarray(c, dtype=np.int64) for c in doc["clients"]]
-        )
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise FedfeatError(
-            f"cannot read partition file {path}: {e}; pass a file written by --export"
-        ) from None
-
-
-LOCAL_TEST = ("none", "proportional", "joint")
-
-
-def local_test_split(partition: Partition, train_labels, test_labels, n_classes: int, seed: int = 0) -> list:
-    """Each client's local test set (FedCoPL's evaluation: per-client accuracy on a test split drawn like the
-    client's training data): for every class ``c``, the test positions of ``c`` (shuffled by a
-    ``RandomState(seed)``) are cut among the clients in proportion to their training counts ``n_{k,c} / N_c``, with
-    FedML's cut rule ``(cumsum(p) * len(idx)).astype(int)`` (the one FedCoPL's ``prepare_dataset_UL_fed`` applies
-    to its test split). A client without training samples of ``c`` gets no test samples of ``c``.
-
-    FedCoPL draws one Dirichlet ``p`` per class and cuts both splits with it (each split with its own cap of
-    clients already holding ``N / n``): its test proportions are its train proportions wherever the two caps
-    agree, which is what this reads it as; it applies to every partition scheme. Returns int64 positions into
-    ``test_labels`` per client, each client's sorted."""
-    train_labels = np.asarray(train_labels)
-    test_labels = np.asarray(test_labels)
-    counts = partition.counts(train_labels, n_classes)  # [clients, classes]
-    rs = np.random.RandomState(seed)
-    out: list[list[np.ndarray]] = [[] for _ in range(partition.n_clients)]
-    for c in range(n_classes):
-        idx = np.flatnonzero(test_labels == c)
-        rs.shuffle(idx)
-        total = counts[:, c].sum()
-        if total == 0 or len(idx) == 0:
-            continue
-        p = counts[:, c] / total
-        cuts = (np.cumsum(p) * len(idx)).astype(int)[:-1]
-        for k, piece in enumerate(np.split(idx, cuts)):
-            out[k].append(piece)
-    return [np.sort(np.concatenate(o)).astype(np.int64) if o else np.zeros(0, np.int64) for o in out]

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+import fedfeat.partition as P
 from fedfeat.errors import FedfeatError
-from fedfeat.partition import schemes as P
 from fedfeat.store.featurestore import FeatureStore
 
 

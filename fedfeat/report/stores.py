@@ -116,7 +116,7 @@ def partition_command(
     save: bool,
 ) -> None:
     """``fedfeat partition``: compute, store, describe, export and plot a partition."""
-    from fedfeat.partition import schemes as P
+    import fedfeat.partition as P
 
     if view not in ("heatmap", "percent", "bars"):
         raise FedfeatError(f"unknown --view '{view}'; choose heatmap, percent or bars")

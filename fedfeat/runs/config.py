@@ -218,7 +218,7 @@ def validate_config(cfg: RunConfig) -> None:
     from fedfeat.partition.openvocab import check_modes
 
     check_modes(cfg.local_val or "paper", cfg.query_val or "paper")
-    from fedfeat.partition.schemes import LOCAL_TEST
+    from fedfeat.partition.make import LOCAL_TEST
 
     if (cfg.local_test or "none") not in LOCAL_TEST:
         bad("local_test", f"must be one of {', '.join(LOCAL_TEST)}, got {cfg.local_test!r}")

@@ -96,7 +96,7 @@ def _dataset_name(dataset: str, root: Path, name: str | None) -> str:
     if name:
         return name
     if dataset.startswith(("hf:", "wds:")):  # the dataset's or the shards' folder name
-        from fedfeat.data.hf import default_store_name
+        from fedfeat.data.external import default_store_name
 
         return default_store_name(dataset, root)
     if dataset in ("imagefolder", "listfile"):  # generic formats: name the store after the data's folder

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
-from fedfeat.engine.rounds import check_labels
+from fedfeat.engine.data import check_labels
 from fedfeat.errors import FedfeatError
 from fedfeat.runs.config import RunConfig
 
@@ -120,7 +120,7 @@ def run_partition(store, cfg: RunConfig, save: bool):
 
 def _run_data(store, part, key: str, cfg: RunConfig, device, centralized: bool):
     """``load_run_data`` for this run, shared with the other runs of a sweep that read the same data."""
-    from fedfeat.engine.rounds import load_run_data
+    from fedfeat.engine.data import load_run_data
 
     sess = active()
     lv, qv, lt = cfg.local_val or "paper", cfg.query_val or "paper", cfg.local_test or "none"

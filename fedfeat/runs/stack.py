@@ -30,16 +30,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedfeat.engine.rounds import (
-    RunData,
-    build_context,
-    check_finite,
-    epoch_tables,
-    make_plan,
-    masked_mean,
-    param_bytes,
-    resolve_kernel,
-)
+from fedfeat.engine.data import RunData, build_context
+
+from fedfeat.engine.rounds import check_finite, resolve_kernel
+
+from fedfeat.engine.context import epoch_tables, make_plan, masked_mean, param_bytes
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.fst_cbdg import synthetic_head
 from fedfeat.methods.head import batched_linear
@@ -391,7 +386,7 @@ def _local_fused(methods, ctxs, live, plans, globs, rnd, threads, fst, Q):
     """``_local`` in the methods' compiled CPU kernels (``kernels.stacked_epoch``): every virtual client runs the
     very code of its run's own fused kernel, so a stacked run equals its one-by-one fused run bit for bit."""
     from fedfeat.engine import kernels, rng
-    from fedfeat.engine.rounds import round_buffer, shuffle_key
+    from fedfeat.engine.context import round_buffer, shuffle_key
     from fedfeat.methods.fst_cbdg import _pool, bank_rows
 
     R = len(methods)

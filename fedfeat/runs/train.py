@@ -238,7 +238,7 @@ def _train_locked(
             rd.partial.mkdir()
             (rd.partial / "config.toml").write_text(config_toml(cfg, method_params))
             if not stored:
-                from fedfeat.partition.schemes import to_json
+                from fedfeat.partition.core import to_json
 
                 to_json(part, rd.partial / "partition.json")  # computed here: kept with the run
         centralized = getattr(method, "centralized", False)

@@ -1,0 +1,247 @@
+"""A run's data, loaded once from a store: ``load_run_data`` reads a partition's features client-major (and the test
+split, local test splits, the open-vocabulary split), ``build_context`` turns it into the ``Context`` a method
+sees (normalised as the method asks; training labels only for methods that use them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fedfeat.engine.context import Context
+from fedfeat.errors import FedfeatError
+
+
+@dataclass
+class RunData:
+    """Everything a run reads from the store, loaded once."""
+
+    train_x: torch.Tensor  # [N, D] client-major (float32, on device)
+    train_y: torch.Tensor  # [N] client-major labels (kept by the engine; handed only to labelled methods)
+    offsets: torch.Tensor  # [clients+1]
+    test_x: torch.Tensor  # [Nt, D]
+    test_y: torch.Tensor  # [Nt]
+    text_all: torch.Tensor  # [T, K, D] raw
+    clip_logit_scale: float
+    class_names: list[str]
+    train_counts: torch.Tensor  # [K] counts over the partition's samples
+    open_vocab: object | None = (
+        None  # fedfeat.partition.openvocab.OpenVocab; test_x/test_y are then the query set
+    )
+    live: object | None = (
+        None  # fedfeat.encoders.live.LiveText (``needs_live_text`` methods; set by the caller)
+    )
+    memo: dict | None = None  # a sweep's shared RunData keeps its normalised copies here (``build_context``)
+    local_test: list | None = None  # per client: int64 rows of test_x (``local_test="proportional"``)
+    store: object | None = None  # the FeatureStore it was read from
+    rows: np.ndarray | None = None  # [N] store rows of train_x (client-major)
+    test_rows: np.ndarray | None = None  # [N_test] store rows of test_x (closed runs)
+
+
+def _normalize(x: torch.Tensor) -> torch.Tensor:
+    return F.normalize(x, dim=-1)
+
+
+def build_context(data: RunData, method, seed: int, device: torch.device) -> Context:
+    p = method.p
+    norm = getattr(p, "normalize", True)
+    memo = data.memo
+
+    def _normalize(x: torch.Tensor, name: str = "") -> torch.Tensor:
+        """L2-normalised rows; a sweep's shared data normalises each array once (the copies are never written:
+        methods replace context tensors, they do not modify them in place)."""
+        if memo is None or not name:
+            return F.normalize(x, dim=-1)
+        if name not in memo:
+            memo[name] = F.normalize(x, dim=-1)
+        return memo[name]
+
+    text_all = _normalize(data.text_all.to(data.train_x.dtype))
+    tmpl = getattr(p, "templates", "first")
+    if tmpl == "first":
+        text = text_all[0]
+    elif tmpl == "ensemble":
+        text = _normalize(text_all.mean(0))
+    else:
+        raise FedfeatError(f"templates must be 'first' or 'ensemble', got {tmpl!r}")
+    ctx = Context(
+        device=device,
+        feats=_normalize(data.train_x, "train_x") if norm else data.train_x,
+        offsets=data.offsets,
+        text=text.to(device),
+        text_all=text_all.to(device),
+        test_x=_normalize(data.test_x, "test_x") if norm else data.test_x,
+        clip_logit_scale=data.clip_logit_scale,
+        seed=seed,
+        n_clients=len(data.offsets) - 1,
+        labels=data.train_y if method.uses_labels else None,
+        train_counts=data.train_counts if method.uses_labels else None,
+        text_raw=(data.text_all[0].to(text.dtype) if tmpl == "first" else text_all.mean(0)).to(device),
+        live=data.live,
+        class_names=list(data.class_names),
+        local_test=data.local_test,
+        store=data.store,
+        train_rows=data.rows,
+        test_rows=data.test_rows,
+    )
+    if getattr(method, "needs_live_text", False) and data.live is None:
+        raise FedfeatError(
+            f"method {method.name} trains prompts and needs the store's live text encoder (fedfeat.encoders.live)"
+        )
+    ov = data.open_vocab
+    if ov is not None:
+        f = _normalize if norm else (lambda x: x)
+        ctx.open_vocab = dataclasses.replace(
+            ov, val_x=f(ov.val_x), query_x=f(ov.query_x), qval_x=f(ov.qval_x), base_x=f(ov.base_x)
+        )
+    return ctx
+
+
+@torch.no_grad()
+def check_labels(store) -> None:
+    """Every train and test label is a class id of the store or -1 (a skipped image)."""
+    K = store.n_classes
+    for split in ("train", "test"):
+        lab = store.labels(split)
+        bad = np.flatnonzero((lab < -1) | (lab >= K))
+        if len(bad):
+            raise FedfeatError(
+                f"store {store.path}: {split} label {int(lab[bad[0]])} at row {int(bad[0])} is not a class id "
+                f"(the store has {K} classes, 0..{K - 1}; -1 marks a skipped image); rebuild the store"
+            )
+
+
+def load_run_data(
+    store,
+    partition,
+    *,
+    device="cpu",
+    centralized: bool = False,
+    dtype=torch.float32,
+    local_val: str = "paper",
+    query_val: str = "paper",
+    query_seed: int = 0,
+    local_test: str = "none",
+) -> RunData:
+    """Load a store's train (in the partition's client-major order) and test splits onto ``device``.
+
+    ``dtype`` float32 by default (stored float16 is upcast: never compute in float16 on a CPU); float64 is
+    for exactness checks (the engines agree to ~1e-12 there). A ``disjoint-classes`` partition makes the run
+    open-vocabulary (``fedfeat.partition.openvocab``: ``local_val`` and ``query_val`` say how the clients' shots and the
+    query set are split; the query set, not the whole test split, is then ``test_x`` / ``test_y``)."""
+    check_labels(store)
+    labels = store.labels("train")
+    ov_parts = None
+    if partition.scheme == "disjoint-classes":
+        from fedfeat.partition import openvocab
+        from fedfeat.partition.core import Partition
+
+        openvocab.check_modes(local_val, query_val)
+        train_pos, val_pos = openvocab.local_split(partition.clients, labels, local_val)
+        ov_parts = (partition.clients, train_pos, val_pos)
+        partition = Partition(partition.scheme, partition.params, train_pos)
+    order, offsets = partition.order_and_offsets()
+    if centralized:
+        offsets = np.array([0, len(order)], dtype=np.int64)
+    feats = store.features("train")
+    K = store.n_classes
+    x = torch.from_numpy(feats[order]).to(device=device, dtype=dtype)
+    y = torch.from_numpy(labels[order]).to(device)
+    has_test = "test" in store.splits
+    tx_np = store.features("test") if has_test else feats
+    ty_np = store.labels("test") if has_test else labels
+    keep = ty_np >= 0
+    ov = None
+    if ov_parts is not None:
+        ov, keep = _open_vocab(
+            ov_parts, labels, feats, tx_np, ty_np, has_test, K, query_val, query_seed, device, dtype
+        )
+    tx = torch.from_numpy(tx_np[keep]).to(device=device, dtype=dtype)
+    lt = None
+    if local_test != "none":
+        from fedfeat.partition.make import LOCAL_TEST, local_test_split
+
+        if local_test not in LOCAL_TEST:
+            raise FedfeatError(f"--local-test must be one of {', '.join(LOCAL_TEST)}, got {local_test!r}")
+        if ov is not None or not has_test:
+            raise FedfeatError(
+                "--local-test splits a store's test split among the clients of a closed partition; this run "
+                + ("is open-vocabulary (disjoint-classes)" if ov is not None else "has no test split")
+                + ": drop --local-test"
+            )
+        if local_test == "joint":  # the test positions drawn with the train split (dirichlet-joint, FedCoPL)
+            tc = partition.params.get("test_clients")
+            if tc is None:
+                raise FedfeatError(
+                    "--local-test joint takes the test split drawn with the partition: use --partition "
+                    "dirichlet-joint (FedCoPL), or --local-test proportional for another partition"
+                )
+            split = [np.asarray(t, dtype=np.int64) for t in tc]
+        else:
+            split = local_test_split(partition, labels, ty_np[keep], K, seed=query_seed)
+        lt = [torch.from_numpy(r) for r in split]
+    return RunData(
+        train_x=x,
+        train_y=y,
+        offsets=torch.from_numpy(offsets.astype(np.int64)),
+        test_x=tx,
+        test_y=torch.from_numpy(ty_np[keep]).to(device),
+        text_all=torch.from_numpy(store.text_features()).to(device=device, dtype=dtype),
+        clip_logit_scale=store.logit_scale,
+        class_names=store.class_names,
+        train_counts=torch.bincount(y.cpu(), minlength=K),
+        open_vocab=ov,
+        local_test=lt,
+        store=store,
+        rows=order,
+        test_rows=np.flatnonzero(keep) if ov is None and has_test else None,
+    )
+
+
+def _open_vocab(parts, labels, feats, tx_np, ty_np, has_test, K, query_val, query_seed, device, dtype):
+    """The ``OpenVocab`` of a disjoint-classes partition, and the query set's test rows (``keep``)."""
+    from fedfeat.partition import openvocab
+
+    clients, train_pos, val_pos = parts
+    lists = openvocab.class_lists(clients, labels)
+    base = np.unique(np.concatenate(lists)) if lists else np.zeros(0, dtype=np.int64)
+    novel = np.setdiff1d(np.arange(K), base)
+    local = []  # per training row: its class's index in its client's list (Fed-MP's residual rows)
+    for c, p in zip(lists, train_pos):
+        lookup = np.full(K, -1, dtype=np.int64)
+        lookup[c] = np.arange(len(c))
+        local.append(lookup[labels[p]])
+    used = np.zeros(len(labels), dtype=bool)
+    used[np.concatenate(clients)] = True
+    avail = (ty_np >= 0) if has_test else ((labels >= 0) & ~used)  # no test split: the images clients lack
+    q_rows = np.flatnonzero(avail & np.isin(ty_np, novel))
+    qv, qt = openvocab.query_split(ty_np[q_rows], query_val, query_seed)
+    b_rows = np.flatnonzero(avail & np.isin(ty_np, base))
+    vorder = np.concatenate(val_pos) if val_pos else np.zeros(0, dtype=np.int64)
+    voffs = np.concatenate([[0], np.cumsum([len(v) for v in val_pos])]).astype(np.int64)
+
+    def t(a, dt=dtype):
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dt)
+
+    ov = openvocab.OpenVocab(
+        base=t(base, torch.int64),
+        novel=t(novel, torch.int64),
+        client_classes=[t(c, torch.int64) for c in lists],
+        local_index=t(np.concatenate(local) if local else np.zeros(0), torch.int64),
+        val_x=t(feats[vorder]),
+        val_y=t(labels[vorder], torch.int64),
+        val_offsets=torch.from_numpy(voffs),
+        query_x=t(tx_np[q_rows[qt]]),
+        query_y=t(ty_np[q_rows[qt]], torch.int64),
+        qval_x=t(tx_np[q_rows[qv]]),
+        qval_y=t(ty_np[q_rows[qv]], torch.int64),
+        base_x=t(tx_np[b_rows]),
+        base_y=t(ty_np[b_rows], torch.int64),
+    )
+    keep = np.zeros(len(ty_np), dtype=bool)
+    keep[q_rows[qt]] = True
+    return ov, keep
