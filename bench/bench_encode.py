@@ -147,7 +147,9 @@ def main(argv: list[str] | None = None) -> None:
     from rich.console import Console
     from safetensors.torch import save_file
 
+    from fedfeat.encoders import backbones
     from fedfeat.encoders import openclip as clipcompat
+    from fedfeat.encoders.weights import resolve_weights
     from fedfeat.errors import FedfeatError
     from fedfeat.runs.encode import encode
 
@@ -175,8 +177,8 @@ def main(argv: list[str] | None = None) -> None:
         del model
         n_test = args.batch_size  # one full test batch
         _write_cifar10(tmp / "cifar-10-batches-py", args.images, n_test)
-        bb = clipcompat.resolve_backbone(args.backbone)
-        w = clipcompat.resolve_weights(bb, str(weights))
+        bb = backbones.resolve_backbone(args.backbone)
+        w = resolve_weights(bb, str(weights))
         # encode's batches: each split's chunk cut at batch_size (a split here fits in one chunk)
         sizes = [
             min(args.batch_size, n - s) for n in (args.images, n_test) for s in range(0, n, args.batch_size)

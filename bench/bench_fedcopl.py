@@ -29,6 +29,7 @@ from bench_engine import machine, write_table  # noqa: E402
 
 
 def _model(backbone: str | None, pretrained: str | None, device: str):
+    from fedfeat.encoders import backbones, weights
     from fedfeat.encoders import openclip as clipcompat
 
     if backbone is None:
@@ -36,8 +37,8 @@ def _model(backbone: str | None, pretrained: str | None, device: str):
 
         tc = make_tiny_clip(Path(tempfile.mkdtemp()) / "tiny")
         backbone, pretrained = str(tc.config), str(tc.weights)
-    bb = clipcompat.resolve_backbone(backbone)
-    w = clipcompat.resolve_weights(bb, pretrained)
+    bb = backbones.resolve_backbone(backbone)
+    w = weights.resolve_weights(bb, pretrained)
     return bb.name, clipcompat.load_model(bb, w, device=device)
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from helpers_clip import TINY_CFG, make_tiny_clip, run_cli, write_cifar10
 
+from fedfeat.encoders import backbones, weights
 from fedfeat.encoders import openclip as clipcompat
 from fedfeat.errors import FedfeatError
 from fedfeat.store.featurestore import FeatureStore
@@ -94,7 +95,7 @@ def same_features(a: FeatureStore, b: FeatureStore) -> None:
 
 
 def test_local_dir_backbone_equals_config_plus_weights(model_dir, c10, reference, tmp_path):
-    bb = clipcompat.resolve_backbone(f"local-dir:{model_dir}")
+    bb = backbones.resolve_backbone(f"local-dir:{model_dir}")
     assert bb.name == "tiny-clip" and bb.weights_file.name == "open_clip_model.safetensors"
     st = encode(c10, tmp_path, f"local-dir:{model_dir}")
     same_features(st, reference)
@@ -103,7 +104,7 @@ def test_local_dir_backbone_equals_config_plus_weights(model_dir, c10, reference
 
 
 def test_hf_hub_backbone_from_the_cache_offline(hub, c10, reference, tmp_path):
-    bb = clipcompat.resolve_backbone("hf-hub:fedfeat/tiny-clip")
+    bb = backbones.resolve_backbone("hf-hub:fedfeat/tiny-clip")
     assert bb.source == "hf-hub:fedfeat/tiny-clip" and bb.weights_file is not None
     st = encode(c10, tmp_path, "hf-hub:fedfeat/tiny-clip")
     same_features(st, reference)
@@ -125,20 +126,20 @@ def test_hf_hub_not_cached_offline_is_one_line(hub, c10, tmp_path):
     assert len(r.output.strip().splitlines()) == 1
     assert "HF_HUB_OFFLINE is set" in r.output and "hf download fedfeat/absent" in r.output
     with pytest.raises(FedfeatError, match="expected hf-hub:ORG/REPO"):
-        clipcompat.resolve_backbone("hf-hub:no-org")
+        backbones.resolve_backbone("hf-hub:no-org")
 
 
 def test_local_dir_errors(tmp_path, model_dir):
     with pytest.raises(FedfeatError, match="no folder"):
-        clipcompat.resolve_backbone(f"local-dir:{tmp_path / 'nope'}")
+        backbones.resolve_backbone(f"local-dir:{tmp_path / 'nope'}")
     with pytest.raises(FedfeatError, match="open_clip_config.json not found"):
-        clipcompat.resolve_backbone(f"local-dir:{tmp_path}")
+        backbones.resolve_backbone(f"local-dir:{tmp_path}")
     bare = tmp_path / "bare"
     bare.mkdir()
     shutil.copy(model_dir / "open_clip_config.json", bare)
-    bb = clipcompat.resolve_backbone(f"local-dir:{bare}")
+    bb = backbones.resolve_backbone(f"local-dir:{bare}")
     with pytest.raises(FedfeatError, match="no weights beside .*--pretrained"):
-        clipcompat.resolve_weights(bb)
+        weights.resolve_weights(bb)
 
 
 def test_models_lists_local_weights(hub, model_dir, tmp_path):

@@ -37,6 +37,7 @@ from helpers_clip import (
     write_listfile,
 )
 
+from fedfeat.encoders import backbones, weights
 from fedfeat.encoders import openclip as clipcompat
 from fedfeat.errors import FedfeatError
 from fedfeat.store.featurestore import FeatureStore
@@ -133,7 +134,7 @@ def test_each_format_matches_open_clip(fmt, tc, ref, tmp_path):
         "fp32",
         {},
     )
-    assert a["fingerprint"]["weights"]["sha256"] == clipcompat.sha256_file(tc.weights)
+    assert a["fingerprint"]["weights"]["sha256"] == weights.sha256_file(tc.weights)
 
 
 def test_torch_save_checkpoint_gives_the_same_features(tc, c10, c10_store, tmp_path):
@@ -237,16 +238,14 @@ def test_offline_without_env_uses_a_bounded_probe(monkeypatch, tmp_path):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     calls = []
-    monkeypatch.setattr(
-        clipcompat,
-        "network_reachable",
-        lambda host, port, timeout: calls.append((host, timeout)) or (False, "probe failed"),
-    )
-    bb = clipcompat.resolve_backbone("ViT-B/32")
+    probe = lambda host, port, timeout: calls.append((host, timeout)) or (False, "probe failed")  # noqa: E731
+    for mod in (weights, backbones):  # the tag's probe (weights) and the hub's (backbones)
+        monkeypatch.setattr(mod, "network_reachable", probe)
+    bb = backbones.resolve_backbone("ViT-B/32")
     with pytest.raises(
         FedfeatError, match=r"ViT-B-32 pretrained 'openai'.*probe failed.*--pretrained /path/to"
     ):
-        clipcompat.resolve_weights(bb, cache_dir=tmp_path, probe_timeout=1.5)
+        weights.resolve_weights(bb, cache_dir=tmp_path, probe_timeout=1.5)
     assert calls == [("huggingface.co", 1.5)]
 
 
@@ -258,7 +257,7 @@ def test_probe_needs_a_tls_answer_not_just_an_open_port():
     with socket.socket() as srv:
         srv.bind(("127.0.0.1", 0))
         srv.listen(1)
-        ok, reason = clipcompat.network_reachable("127.0.0.1", srv.getsockname()[1], timeout=0.5)
+        ok, reason = backbones.network_reachable("127.0.0.1", srv.getsockname()[1], timeout=0.5)
     assert not ok and "127.0.0.1" in reason, reason
 
 
@@ -300,14 +299,15 @@ def test_user_errors_are_one_line(tc, c10, tmp_path):
 def test_cached_tag_loads_from_the_local_cache_without_network(tmp_path, monkeypatch):
     """A tag whose checkpoint sits in the Hugging Face cache resolves to that file, offline, with the tag's
     QuickGELU setting (OpenAI weights) — no probe, no download."""
-    monkeypatch.setattr(clipcompat, "network_reachable", lambda *a, **k: pytest.fail("probed the network"))
+    for mod in (weights, backbones):
+        monkeypatch.setattr(mod, "network_reachable", lambda *a, **k: pytest.fail("probed the network"))
     repo = tmp_path / "hub" / "models--timm--resnet50_clip.openai"
     snap = repo / "snapshots" / "0123abcd"
     snap.mkdir(parents=True)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("0123abcd")
     (snap / "open_clip_model.safetensors").write_bytes(b"not really weights")
-    w = clipcompat.resolve_weights(clipcompat.resolve_backbone("RN50"), "openai", cache_dir=tmp_path / "hub")
+    w = weights.resolve_weights(backbones.resolve_backbone("RN50"), "openai", cache_dir=tmp_path / "hub")
     assert (w.kind, w.label, w.quick_gelu) == ("tag", "openai", True)
     assert w.file == snap / "open_clip_model.safetensors"
     assert w.fingerprint() == {"tag": "openai", "source": "hf-hub:timm/resnet50_clip.openai/"}
@@ -320,9 +320,9 @@ def test_open_clip_config_json_backbone(tmp_path):
     d.mkdir()
     cfg = {"model_cfg": TINY_CFG, "preprocess_cfg": {"mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25]}}
     (d / "open_clip_config.json").write_text(json.dumps(cfg))
-    bb = clipcompat.resolve_backbone(str(d / "open_clip_config.json"))
+    bb = backbones.resolve_backbone(str(d / "open_clip_config.json"))
     assert (bb.name, bb.embed_dim) == ("tiny-hf", 32)
-    pp = clipcompat.preprocess_config(bb, clipcompat.Weights(kind="file", label="x.pt"))
+    pp = clipcompat.preprocess_config(bb, weights.Weights(kind="file", label="x.pt"))
     assert (pp["mean"], pp["std"], pp["size"]) == ([0.5] * 3, [0.25] * 3, 32)
 
 

@@ -234,16 +234,16 @@ def test_moved_checkpoint_and_missing_tag_give_encode_style_errors(tc, store, tm
     # a store of a tag whose weights are not cached: exactly encode's error (HF_HUB_OFFLINE is set in tests)
     meta["attributes"]["backbone"] = "RN50"
     meta["attributes"]["backbone_config"] = None
-    from fedfeat.encoders import openclip as clipcompat
+    from fedfeat.encoders import backbones, weights
 
-    bb = clipcompat.resolve_backbone("RN50")
+    bb = backbones.resolve_backbone("RN50")
     meta["attributes"]["fingerprint"]["backbone"] = {"name": "RN50", "config_sha256": bb.config_sha256}
     meta["attributes"]["fingerprint"]["weights"] = {"tag": "openai", "source": "x"}
     zattrs.write_text(json.dumps(meta))
     with pytest.raises(FedfeatError) as e:
         load_live_text(FeatureStore.open(moved))
     with pytest.raises(FedfeatError) as e_enc:
-        clipcompat.resolve_weights(bb, "openai")
+        weights.resolve_weights(bb, "openai")
     assert str(e.value) == str(e_enc.value)
     assert "no local copy of the weights for RN50 pretrained 'openai'" in str(e.value) and "\n" not in str(
         e.value

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fedfeat.encoders import backbones, weights
 from fedfeat.encoders.prompt import PromptLearner, TextTower
 from fedfeat.errors import FedfeatError
 
@@ -51,8 +52,6 @@ class LiveText:
 def _backbone(oc, st):
     """The store's architecture: its recorded config (registered under its name), else open_clip's registry entry
     of that name, checked against the fingerprint's config hash."""
-    from fedfeat.encoders import openclip as clipcompat
-
     name = st.attrs.get("backbone")
     fp = (st.fingerprint or {}).get("backbone") or {}
     if name in (None, "synthetic") or not fp:
@@ -65,9 +64,9 @@ def _backbone(oc, st):
         tmp = Path(tempfile.mkdtemp(prefix="fedfeat-cfg-")) / f"{name}.json"
         tmp.write_text(json.dumps(cfg))
         oc.add_model_config(tmp)
-        bb = clipcompat.Backbone(name=name, config=oc.get_model_config(name))
+        bb = backbones.Backbone(name=name, config=oc.get_model_config(name))
     elif name in oc.list_models():
-        bb = clipcompat.Backbone(name=name, config=oc.get_model_config(name))
+        bb = backbones.Backbone(name=name, config=oc.get_model_config(name))
     else:
         raise FedfeatError(
             f"store {st.path} was encoded with backbone '{name}', a config file this store does not record (made "
@@ -83,23 +82,20 @@ def _backbone(oc, st):
 
 
 def _weights(bb, st, pretrained: str | None, cache_dir):
-    """The store's weights under ``encode``'s offline rules (``clipcompat.resolve_weights``)."""
-    from fedfeat.encoders import openclip as clipcompat
+    """The store's weights under ``encode``'s offline rules (``weights.resolve_weights``)."""
 
     wfp = (st.fingerprint or {}).get("weights") or {}
     if "tag" in wfp:
-        w = clipcompat.resolve_weights(bb, pretrained or wfp["tag"], cache_dir=cache_dir)
+        w = weights.resolve_weights(bb, pretrained or wfp["tag"], cache_dir=cache_dir)
         if pretrained and w.kind == "file" and w.label != wfp["tag"]:  # a tag's file, passed by hand
-            w = clipcompat.Weights(
-                kind="file", label=wfp["tag"], file=w.file, sha256=w.sha256, source=w.source
-            )
+            w = weights.Weights(kind="file", label=wfp["tag"], file=w.file, sha256=w.sha256, source=w.source)
         return w
     want, label = wfp.get("sha256"), wfp.get("file", "?")
     where = pretrained or st.attrs.get("weights_file")
     hub = wfp.get("hf_hub")  # --backbone hf-hub:ORG/REPO: the repo's file in the local HF cache
     if not pretrained and hub and (where is None or not Path(where).expanduser().is_file()):
-        repo_id = hub[len(clipcompat.HF_HUB_PREFIX) :]
-        where = clipcompat.hub_cached_file(repo_id, label, cache_dir) or clipcompat._hub_fetch(
+        repo_id = hub[len(backbones.HF_HUB_PREFIX) :]
+        where = backbones.hub_cached_file(repo_id, label, cache_dir) or backbones._hub_fetch(
             repo_id, [label], cache_dir, 5.0, f"the weights ({label}) store {st.path} was encoded with"
         )
     if where is None or not Path(where).expanduser().is_file():
@@ -108,7 +104,7 @@ def _weights(bb, st, pretrained: str | None, cache_dir):
             f"no local copy of the weights for {bb.name} checkpoint '{label}'{seen}, which store {st.path} was "
             "encoded with; pass --pretrained /path/to/checkpoint"
         )
-    w = clipcompat.resolve_weights(bb, str(where), cache_dir=cache_dir)
+    w = weights.resolve_weights(bb, str(where), cache_dir=cache_dir)
     if want and w.sha256 != want:
         raise FedfeatError(
             f"checkpoint {where} is not the one store {st.path} was encoded with (sha256 {str(w.sha256)[:12]} vs "

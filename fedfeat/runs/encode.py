@@ -53,6 +53,8 @@ from fedfeat.data import open_dataset
 from fedfeat.data.base import ImageDataset, UnreadableImage
 from fedfeat.data.templates import fill, resolve_templates
 from fedfeat.encoders import openclip as clipcompat
+from fedfeat.encoders import backbones
+from fedfeat.encoders.weights import resolve_weights
 from fedfeat.engine.distributed import Dist, init_dist
 from fedfeat.errors import FedfeatError
 from fedfeat.store.featurestore import (
@@ -86,7 +88,7 @@ def store_path(out: str | Path, dataset: str, backbone: str, weights: str) -> Pa
         >>> store_path("cache", "cifar10", "ViT-B-32", "openai")
         PosixPath('cache/cifar10/ViT-B-32-openai.zarr')
     """
-    label = Path(weights).stem if Path(weights).suffix in clipcompat.CHECKPOINT_SUFFIXES else weights
+    label = Path(weights).stem if Path(weights).suffix in backbones.CHECKPOINT_SUFFIXES else weights
     base = store_location(out)  # a local Path (file:// URLs too) or a URL string
     name = f"{_safe(dataset)}/{_safe(backbone)}-{_safe(label)}.zarr"
     return base / name if isinstance(base, Path) else f"{base}/{name}"
@@ -330,8 +332,8 @@ def encode(
         ds = open_dataset(dataset, root, dataset_options)
         specs = [templates] if templates is None or isinstance(templates, str) else list(templates)
         tmpl = list(dict.fromkeys(t for s in (specs or [None]) for t in resolve_templates(s)))
-        bb = clipcompat.resolve_backbone(backbone)
-        weights = clipcompat.resolve_weights(bb, pretrained, cache_dir=cache_dir, probe_timeout=probe_timeout)
+        bb = backbones.resolve_backbone(backbone)
+        weights = resolve_weights(bb, pretrained, cache_dir=cache_dir, probe_timeout=probe_timeout)
         pp = clipcompat.preprocess_config(bb, weights)
         # rank 0 reads (hashes) the dataset files; the others take its fingerprint
         ds_fp = dist_ctx.broadcast(ds.fingerprint() if dist_ctx.rank == 0 else None)
