@@ -70,8 +70,9 @@ def main() -> None:
     )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "checkpoint.md"))
     args = ap.parse_args()
-    from fedfeat.store.featurestore import FeatureStore, is_store
+    from fedfeat.store.featurestore import FeatureStore
     from fedfeat.store.synth import SynthParams, write_synthetic_store
+    from fedfeat.store.urls import is_store
 
     if not is_store(args.store):
         write_synthetic_store(args.store, SynthParams(), stats=False, log=lambda *a: None)

@@ -46,8 +46,9 @@ SHAPES = {  # name: (classes, train per class, test per class, store, timed roun
 
 
 def store_for(shape: str):
-    from fedfeat.store.featurestore import FeatureStore, is_store
+    from fedfeat.store.featurestore import FeatureStore
     from fedfeat.store.synth import SynthParams, write_synthetic_store
+    from fedfeat.store.urls import is_store
 
     K, n, nt, path, _, _ = SHAPES[shape]
     path = ROOT / path

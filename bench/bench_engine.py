@@ -170,8 +170,8 @@ def one(
 
 
 def run_all(args) -> None:
-    from fedfeat.store.featurestore import is_store
     from fedfeat.store.synth import write_synthetic_store
+    from fedfeat.store.urls import is_store
 
     if not is_store(args.store):
         write_synthetic_store(args.store)

@@ -54,8 +54,8 @@ def main() -> None:
     if args.one:
         print(json.dumps(one(args.store, args.one[0], args.one[1], int(args.one[2]))))
         return
-    from fedfeat.store.featurestore import is_store
     from fedfeat.store.synth import PRESETS, write_synthetic_store
+    from fedfeat.store.urls import is_store
 
     if not is_store(args.store):
         write_synthetic_store(args.store, PRESETS["caltech101-vitl14"], stats=False, log=lambda *a: None)

@@ -32,7 +32,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "plugin.md"))
     args = ap.parse_args()
-    from fedfeat.store.featurestore import FeatureStore, is_store
+    from fedfeat.store.featurestore import FeatureStore
+    from fedfeat.store.urls import is_store
 
     if not is_store(args.store):
         subprocess.run([sys.executable, "-m", "fedfeat", "synth", "--out", args.store], check=True, cwd=ROOT)

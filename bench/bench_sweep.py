@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "sweep.md"))
     args = ap.parse_args()
-    from fedfeat.store.featurestore import is_store
+    from fedfeat.store.urls import is_store
 
     py = [sys.executable, "-m", "fedfeat"]
     if not is_store(args.store):

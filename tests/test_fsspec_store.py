@@ -15,8 +15,10 @@ from helpers_clip import make_tiny_clip, run_cli, store_snapshot, write_cifar10
 
 import fedfeat
 from fedfeat.errors import FedfeatError
-from fedfeat.store.featurestore import FeatureStore, StoreLock, copy_store, is_store, store_location
+from fedfeat.store.featurestore import FeatureStore, copy_store
+from fedfeat.store.lock import StoreLock
 from fedfeat.store.synth import SynthParams, write_synthetic_store
+from fedfeat.store.urls import is_store, store_location
 
 MEM = fsspec.filesystem("memory")
 SMALL = [

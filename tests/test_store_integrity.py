@@ -22,7 +22,8 @@ from typer.testing import CliRunner
 from fedfeat.cli.app import app
 from fedfeat.errors import FedfeatError
 from fedfeat.partition import stored
-from fedfeat.store.featurestore import DONE_BIT, FeatureStore, StoreLock, crc
+from fedfeat.store.featurestore import DONE_BIT, FeatureStore, crc
+from fedfeat.store.lock import StoreLock
 
 runner = CliRunner()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

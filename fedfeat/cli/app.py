@@ -93,7 +93,7 @@ def synth(
         templates=templates,
     )
     p = dataclasses.replace(PRESETS[preset], seed=seed, **{k: v for k, v in given.items() if v is not None})
-    from fedfeat.store.featurestore import is_url, store_location
+    from fedfeat.store.urls import is_url, store_location
 
     if not is_url(out):
         write_synthetic_store(store_location(out), p, force=force, stats=stats, log=typer.echo)
@@ -102,7 +102,8 @@ def synth(
     import shutil
     import tempfile
 
-    from fedfeat.store.featurestore import FeatureStore, copy_store, is_store
+    from fedfeat.store.featurestore import FeatureStore, copy_store
+    from fedfeat.store.urls import is_store
 
     url = store_location(out)
     tmp = Path(tempfile.mkdtemp(prefix="fedfeat-synth-"))

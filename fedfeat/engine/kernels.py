@@ -25,6 +25,10 @@ Kernels: ``linear_epoch`` -- ``CE`` cross-entropy with hard labels (fedavg, feda
 fedprox's proximal term) or ``NTD`` (+ FedNTD's not-true distillation from the round's global head);
 ``fst_epoch`` -- FST-CBDG: soft-label updates, self-training on them, and the epoch's class-balanced synthetic
 samples ``T_c + sigma * sign * eps`` formed in the kernel (classes, order and signs from ``epoch_begin``'s keys).
+
+Why one module over 600 lines: the two kernels share their compiled building blocks (the bucket-sort shuffle, the
+four-by-two logit blocks with prefetch, the inlined exp, the SGD update) and numba compiles and caches them per
+module; split, each piece would be a separately cached dispatcher and a kernel change would touch several files.
 """
 
 from __future__ import annotations

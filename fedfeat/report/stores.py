@@ -14,7 +14,8 @@ from rich.table import Table
 
 from fedfeat.errors import FedfeatError
 from fedfeat.partition.stored import store_partition
-from fedfeat.store.featurestore import FeatureStore, storage_error
+from fedfeat.store.featurestore import FeatureStore
+from fedfeat.store.urls import storage_error
 
 
 def _console() -> Console:

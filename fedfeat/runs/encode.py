@@ -16,7 +16,7 @@ fills a ``FeatureStore`` at ``OUT/<dataset>/<backbone>-<weights>.zarr``:
   encoded again, complete store or not: the result equals a fresh build. Any other difference needs
   ``force`` (which always rebuilds); an unfinished store with the same fingerprint is resumed. ``force``
   never deletes a directory that is not a fedfeat store;
-- **locked**: one encode per store. Rank 0 takes ``STORE.lock`` (``fedfeat.store.featurestore.StoreLock``: pid, host, start
+- **locked**: one encode per store. Rank 0 takes ``STORE.lock`` (``fedfeat.store.lock.StoreLock``: pid, host, start
   time) before deciding anything and holds it for the job; a second encode (``--force`` included) is refused
   naming the holder; a lock left by a dead process on this host is taken over with a message;
 - **distributed**: under ``torchrun`` (or with ``distributed=True``), rank ``r`` encodes the pending chunks
@@ -57,17 +57,9 @@ from fedfeat.encoders import backbones
 from fedfeat.encoders.weights import resolve_weights
 from fedfeat.engine.distributed import Dist, init_dist
 from fedfeat.errors import FedfeatError
-from fedfeat.store.featurestore import (
-    FORMAT_VERSION,
-    FeatureStore,
-    StoreLock,
-    fingerprint_hash,
-    group_meta,
-    is_store,
-    storage_error,
-    store_exists,
-    store_location,
-)
+from fedfeat.store.featurestore import FORMAT_VERSION, FeatureStore, fingerprint_hash
+from fedfeat.store.lock import StoreLock
+from fedfeat.store.urls import group_meta, is_store, storage_error, store_exists, store_location
 
 ENCODER_VERSION = 1  # bump when the encoding procedure changes what lands in a store
 TEXT_BATCH = 256  # prompts per text forward (fixed, so text features never depend on --batch-size)

@@ -175,7 +175,7 @@ def find_store(root: Path, dataset: str, backbone: str, table: Table, synthetic:
     """The store of ``dataset`` under ``root``: a stand-in built on first use (``synthetic``), else the encoded
     one; a missing store is a one-line error naming the make target that builds it."""
     if synthetic:
-        from fedfeat.store.featurestore import is_store
+        from fedfeat.store.urls import is_store
         from fedfeat.store.synth import SynthParams, write_synthetic_store
 
         path = root / f"synth-{dataset}-{backbone.lower()}.zarr"

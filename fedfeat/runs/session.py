@@ -46,7 +46,8 @@ def session():
 
 def open_store(cfg: RunConfig):
     """The run's store, read-only; a replayed config's store must have the recorded fingerprint."""
-    from fedfeat.store.featurestore import FeatureStore, canonical_store
+    from fedfeat.store.featurestore import FeatureStore
+    from fedfeat.store.urls import canonical_store
 
     sess = active()
     where = canonical_store(cfg.store)  # an absolute local path, or the store's URL

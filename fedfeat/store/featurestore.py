@@ -52,19 +52,20 @@ Example::
     >>> st = FeatureStore.open("cache/synth-cifar10.zarr")
     >>> st.features("train").shape, st.class_names[:2]
     ((50000, 1024), ['airplane', 'automobile'])
+
+Why one module over 600 lines: ``FeatureStore`` is the format. Its reads, writes and checks (done entries with
+crc32, ``complete`` written last, fingerprints, partitions' arrays) keep each other's invariants, and a reader of
+the format finds them in one class. Where a store is (paths, fsspec URLs) is ``fedfeat.store.urls``; its writer
+lock ``fedfeat.store.lock``.
 """
 
 from __future__ import annotations
 
-import datetime
-import errno
 import hashlib
 import json
 import math
 import os
-import re
 import shutil
-import socket
 import zlib
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,14 @@ import zarr
 from zarr.codecs import ZstdCodec
 
 from fedfeat.errors import FedfeatError
+from fedfeat.store.urls import (
+    group_meta,
+    is_store,
+    storage_error,
+    store_exists,
+    store_location,
+    url_filesystem,
+)
 
 FORMAT_VERSION = 2
 MIN_CHUNK_BYTES = 1 << 20  # a feature chunk is at least 1 MiB (fewer, larger files; zarr reads whole chunks)
@@ -93,29 +102,8 @@ REQUIRED_ATTRS = (
     "splits",  # dict split -> number of rows
 )
 
+
 # errno -> (what happened, what to do), for writes that fail on the filesystem
-_OS_ADVICE = {
-    errno.ENOSPC: ("no space left on device", "free space or choose another location"),
-    errno.EDQUOT: ("disk quota exceeded", "free space or choose another location"),
-    errno.EROFS: ("read-only file system", "choose a writable location"),
-    errno.EACCES: ("permission denied", "fix the permissions or choose a writable location"),
-    errno.EPERM: ("operation not permitted", "fix the permissions or choose a writable location"),
-}
-
-
-def storage_error(e: OSError, path: str | Path, action: str, fix: str | None = None) -> FedfeatError:
-    """A one-line ``FedfeatError`` for an ``OSError`` raised while ``action`` at ``path``.
-
-    Example::
-
-        >>> str(storage_error(OSError(28, "No space left on device"), "cache/s.zarr", "writing the store"))
-        'cannot finish writing the store at cache/s.zarr: no space left on device; free space or choose ...'
-    """
-    what, advice = _OS_ADVICE.get(e.errno, (e.strerror or str(e), "check the path and the filesystem"))
-    where = f"{path}" + (f" ({e.filename})" if e.filename and str(e.filename) != str(path) else "")
-    return FedfeatError(f"cannot finish {action} at {where}: {what}; {fix or advice}")
-
-
 def crc(a: np.ndarray) -> int:
     """crc32 of an array's C-order bytes (the checksum stored beside every chunk)."""
     return zlib.crc32(np.ascontiguousarray(a).view(np.uint8).reshape(-1)) & 0xFFFFFFFF
@@ -143,135 +131,6 @@ def default_chunk_rows(embed_dim: int) -> int:
     """Rows per feature chunk: the smallest power of two whose float16 chunk is >= 1 MiB."""
     rows = MIN_CHUNK_BYTES / (2 * embed_dim)
     return 1 << max(0, math.ceil(math.log2(rows)))
-
-
-# ---------------------------------------------------------------------------------------- where a store lives
-_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-# protocol -> the package fsspec needs for it (named in the error when it is missing)
-FSSPEC_PACKAGES = {
-    "s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
-    "abfss": "adlfs", "adl": "adlfs", "http": "aiohttp", "https": "aiohttp", "sftp": "paramiko",
-}  # fmt: skip
-
-
-def is_url(path: str | Path) -> bool:
-    """True for a store at an fsspec URL other than ``file://`` (``memory://``, ``s3://``, ``gs://`` ...)."""
-    if isinstance(path, Path):
-        return False
-    m = _URL.match(os.fspath(path))
-    return m is not None and m.group(1).lower() not in ("file", "local")
-
-
-def store_location(path: str | Path) -> Path | str:
-    """Where a store lives: a local ``Path`` (``~`` expanded; ``file:///abs/x.zarr`` is ``/abs/x.zarr``) or, for
-    any other fsspec URL, the URL itself (without a trailing ``/``); an unknown protocol or a missing filesystem
-    package (``s3fs``, ``gcsfs``) is a one-line error.
-
-    Example::
-
-        >>> store_location("file:///data/c.zarr"), store_location("s3://bucket/c.zarr/")
-        (PosixPath('/data/c.zarr'), 's3://bucket/c.zarr')
-    """
-    if isinstance(path, Path):
-        return path.expanduser()
-    s = os.fspath(path)
-    m = _URL.match(s)
-    if m is None:
-        return Path(s).expanduser()
-    if m.group(1).lower() in ("file", "local"):
-        rest = s[m.end() :]
-        if rest.startswith("localhost/"):
-            rest = rest[len("localhost") :]
-        from urllib.parse import unquote
-
-        return Path(unquote(rest) or "/").expanduser()
-    url = s.rstrip("/")
-    url_filesystem(url)  # fail now, in one line, when its filesystem package is missing
-    return url
-
-
-def url_filesystem(url: str):
-    """``(fsspec filesystem, path inside it)`` of a store URL (``is_url``)."""
-    proto = url.split("://", 1)[0].lower()
-    try:
-        import fsspec
-    except ImportError:
-        raise FedfeatError(f"store URL {url} needs the fsspec package: pip install fsspec") from None
-    try:
-        return fsspec.core.url_to_fs(url)
-    except ImportError as e:
-        pkg = FSSPEC_PACKAGES.get(proto) or getattr(e, "name", None) or "its fsspec filesystem package"
-        raise FedfeatError(
-            f"store URL {url} needs the optional package {pkg} for {proto}://: pip install {pkg}"
-        ) from None
-    except ValueError as e:
-        raise FedfeatError(
-            f"store URL {url}: {e}; use a local path or an fsspec URL (file://, memory://, s3:// with s3fs, "
-            "gs:// with gcsfs)"
-        ) from None
-
-
-def store_name(path: str | Path) -> str:
-    """The last component of a store's path or URL (``cache/c.zarr`` and ``s3://b/c.zarr`` -> ``c.zarr``)."""
-    return os.fspath(path).rstrip("/").rsplit("/", 1)[-1]
-
-
-def canonical_store(path: str | Path) -> str:
-    """A store's location as recorded in run configs: an absolute local path, or the URL as given."""
-    loc = store_location(path)
-    return str(loc.resolve()) if isinstance(loc, Path) else loc
-
-
-def store_exists(path: str | Path) -> bool:
-    """Whether anything (a store, a directory, a file) is at ``path``."""
-    loc = store_location(path)
-    if isinstance(loc, Path):
-        return loc.exists()
-    fs, p = url_filesystem(loc)
-    try:
-        return bool(fs.exists(p))
-    except OSError as e:
-        raise storage_error(e, loc, "looking for the store", "check the URL and your credentials") from None
-    except Exception as e:  # a filesystem's own errors (missing credentials, bad endpoint): one line
-        raise _url_error(loc, e) from None
-
-
-def _url_error(url: str, e: Exception) -> FedfeatError:
-    first = (str(e).strip().splitlines() or [""])[0][:200]
-    return FedfeatError(
-        f"cannot read {url} ({type(e).__name__}: {first}); check the URL, the network and your credentials "
-        "(the filesystem's usual configuration, e.g. AWS_* variables for s3://, or FSSPEC_<PROTOCOL>_<OPTION>)"
-    )
-
-
-def group_meta(path: str | Path) -> dict | None:
-    """The ``zarr.json`` document at ``path`` (a dict), or ``None`` when there is none or it does not parse."""
-    loc = store_location(path)
-    try:
-        if isinstance(loc, Path):
-            meta = loc / "zarr.json"
-            if not meta.is_file():
-                return None
-            raw = meta.read_bytes()
-        else:
-            fs, p = url_filesystem(loc)
-            try:
-                raw = fs.cat_file(f"{p}/zarr.json")
-            except (OSError, ValueError):
-                raise
-            except Exception as e:  # a filesystem's own errors (missing credentials, bad endpoint): one line
-                raise _url_error(loc, e) from None
-        doc = json.loads(raw)
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
-def is_store(path: str | Path) -> bool:
-    """True when ``path`` (a local path or a store URL) holds a fedfeat store (complete or not)."""
-    doc = group_meta(path)
-    attrs = doc.get("attributes", {}) if doc is not None else None
-    return isinstance(attrs, dict) and "format_version" in attrs
 
 
 class FeatureStore:
@@ -947,154 +806,6 @@ def copy_store(src: str | Path, dst: str | Path, *, overwrite: bool = False, log
     if log is not None:
         log(f"copied {s_loc} to {d_loc} ({len(files)} objects)")
     return d_loc
-
-
-# ---------------------------------------------------------------------------------------- writer lock
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
-class StoreLock:
-    """One writer per store: ``STORE.lock`` beside the store, created with ``O_CREAT | O_EXCL`` and holding
-    the writer's pid, host and start time (beside it, not inside: ``--force`` deletes the store directory).
-
-    A lock whose holder is on this host and no longer running is stale and is taken over (with a message);
-    a live holder, or one on another host (whose pid cannot be checked from here), is refused with a message
-    naming it and how to remove a stale lock. Use as a context manager; ``release`` removes only our own lock.
-
-    A store at a URL (``memory://``, ``s3://``...) gets ``URL.lock`` the same way, but object stores have no
-    exclusive create: the lock is written and then read back, which catches a holder that started earlier, not
-    one that starts in the same instant (advisory: run one encode per store URL).
-
-    Example::
-
-        >>> with StoreLock("cache/cifar10/RN50-openai.zarr", log=print):
-        ...     pass   # create, resume or rebuild the store
-    """
-
-    def __init__(self, store: str | Path, *, command: str = "fedfeat encode", log=None):
-        self.store = store_location(store)
-        self.path: Path | str = (
-            self.store.with_name(self.store.name + ".lock")
-            if isinstance(self.store, Path)
-            else self.store + ".lock"
-        )
-        self.command = command
-        self.log = log or (lambda msg: None)
-        self.token: dict | None = None
-
-    def _holder(self) -> dict | None:
-        try:
-            if isinstance(self.path, Path):
-                raw = self.path.read_text()
-            else:
-                fs, p = url_filesystem(self.path)
-                raw = fs.cat_file(p)
-            doc = json.loads(raw)
-            return doc if isinstance(doc, dict) else None
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError):
-            return None
-
-    def _stale_or_refuse(self, holder: dict | None, host: str) -> None:
-        """Return when ``holder`` (read from an existing lock) is a dead process on this host; else refuse."""
-        if holder is None or "pid" not in holder:
-            raise FedfeatError(
-                f"{self.store} is locked ({self.path} exists but is unreadable); if no "
-                f"`{self.command}` is writing this store, remove {self.path}"
-            ) from None
-        pid, where = int(holder["pid"]), holder.get("host", "?")
-        if where == host and not _pid_alive(pid):
-            self.log(
-                f"taking over the stale lock {self.path} (pid {pid} on {where} since "
-                f"{holder.get('since', '?')} is no longer running)"
-            )
-            return
-        raise FedfeatError(
-            f"{self.store} is being written by another `{holder.get('command', self.command)}` "
-            f"(pid {pid} on host {where}, since {holder.get('since', '?')}); wait for it to finish. "
-            f"If that process is gone (a crash on another host), remove {self.path} and re-run"
-        ) from None
-
-    def acquire(self) -> StoreLock:
-        host = socket.gethostname()
-        me = {
-            "pid": os.getpid(),
-            "host": host,
-            "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": self.command,
-        }
-        if not isinstance(self.path, Path):
-            return self._acquire_url(me, host)
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            for _ in range(3):
-                try:
-                    fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-                except FileExistsError:
-                    holder = self._holder()
-                    if holder == {}:  # released between our open and our read: try again
-                        continue
-                    self._stale_or_refuse(holder, host)
-                    stale = self.path.with_name(f"{self.path.name}.stale-{os.getpid()}")
-                    try:
-                        os.rename(self.path, stale)  # only one of several contenders wins this
-                        stale.unlink()
-                    except FileNotFoundError:
-                        pass
-                    continue
-                with os.fdopen(fd, "w") as f:
-                    json.dump(me, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                self.token = me
-                return self
-        except OSError as e:
-            raise storage_error(e, self.path, "locking the store") from None
-        raise FedfeatError(f"could not take the lock {self.path} (contended); re-run the command")
-
-    def _acquire_url(self, me: dict, host: str) -> StoreLock:
-        fs, p = url_filesystem(str(self.path))
-        try:
-            for _ in range(3):
-                holder = self._holder()
-                if holder != {}:
-                    self._stale_or_refuse(holder, host)
-                    fs.rm_file(p)
-                fs.pipe_file(p, json.dumps(me).encode())
-                if self._holder() == me:  # last writer wins on an object store: check that it is us
-                    self.token = me
-                    return self
-        except OSError as e:
-            raise storage_error(e, self.path, "locking the store") from None
-        raise FedfeatError(f"could not take the lock {self.path} (contended); re-run the command")
-
-    def release(self) -> None:
-        if self.token is None:
-            return
-        if self._holder() == self.token:
-            try:
-                if isinstance(self.path, Path):
-                    self.path.unlink()
-                else:
-                    fs, p = url_filesystem(self.path)
-                    fs.rm_file(p)
-            except OSError:
-                pass
-        self.token = None
-
-    def __enter__(self) -> StoreLock:
-        return self.acquire()
-
-    def __exit__(self, *exc) -> None:
-        self.release()
 
 
 def normalize_pixels(px, mean, std):

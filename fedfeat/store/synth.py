@@ -39,7 +39,8 @@ import numpy as np
 import torch
 
 from fedfeat.errors import FedfeatError
-from fedfeat.store.featurestore import FeatureStore, fingerprint_hash, is_store, storage_error
+from fedfeat.store.featurestore import FeatureStore, fingerprint_hash
+from fedfeat.store.urls import is_store, storage_error
 
 CIFAR10_CLASSES = [
     "airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck",
