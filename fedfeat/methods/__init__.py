@@ -1,7 +1,14 @@
-"""Federated methods: one module each, registered by name with ``@register``.
+"""Federated methods: one module per method family, registered by name with ``@register``.
 
-A method is a params dataclass (every field commented with its source) plus a few hooks that the engine
-calls (see ``base.Method``). ``fedfeat methods`` prints the registry.
+A method is a params dataclass (every field commented with its source) plus a few hooks that the engine calls for
+all sampled clients at once (``base.Method``; README, "Your own method"). ``fedfeat methods`` prints the registry;
+other packages add methods through the ``fedfeat.methods`` entry point group (``load_plugins``).
+
+Families (independent of each other: ``zeroshot``, ``linear``, ``fst_cbdg``, ``synthesis``, ``fedmp``, ``promptfl``,
+``fedcopl``) share code only through the engine and the parts below them: the pseudo-labellers (``copl``, then
+``pseudolabel``), the linear head (``head``) and the protocol and registry (``base``).
+
+May import: ``fedfeat.engine`` and everything below it. Never ``fedfeat.runs``, ``fedfeat.report`` or the CLI.
 
 Example::
 
