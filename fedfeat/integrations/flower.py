@@ -15,7 +15,7 @@ Clients over the raw rows (images, text) of a Hugging Face dataset::
 
 or through ``flwr_datasets.FederatedDataset(dataset=..., partitioners={"train": part})``. The partition is the
 key of one stored with ``fedfeat partition STORE ...``, a file written by ``fedfeat partition ... --export FILE``
-(``FedfeatPartitioner.from_json``), or a ``fedfeat.partition.schemes.Partition``. Client ``i`` is the dataset's rows
+(``FedfeatPartitioner.from_json``), or a ``fedfeat.partition.Partition``. Client ``i`` is the dataset's rows
 ``partition.clients[i]`` (positions into the split, in fedfeat's client order); a dataset of the wrong length is
 refused, and ``label_column`` (with a store) checks each client's labels against the store's.
 
@@ -68,7 +68,7 @@ def _open(store):
 
 
 def load_partition(partition, store=None):
-    """A ``fedfeat.partition.schemes.Partition`` from what users have at hand, and the split it partitions.
+    """A ``fedfeat.partition.Partition`` from what users have at hand, and the split it partitions.
 
     ``partition``: a ``Partition``; a key stored in ``store`` (``fedfeat partition STORE ...`` prints it); or the
     path of a JSON file written by ``fedfeat partition ... --export FILE``. Returns ``(partition, split)``; the
@@ -77,7 +77,7 @@ def load_partition(partition, store=None):
         return partition, partition.params.get("split", "train")
     if not isinstance(partition, (str, Path)):
         raise FedfeatError(
-            f"partition must be a stored key, an exported JSON file or a fedfeat.partition.schemes.Partition, not "
+            f"partition must be a stored key, an exported JSON file or a fedfeat.partition.Partition, not "
             f"{type(partition).__name__}"
         )
     st = _open(store) if store is not None else None
@@ -96,7 +96,7 @@ def load_partition(partition, store=None):
     )
     raise FedfeatError(
         f"no partition {partition!r}{where}; pass a stored key (make it with `fedfeat partition STORE ...`), a file "
-        "from `fedfeat partition ... --export FILE`, or a fedfeat.partition.schemes.Partition"
+        "from `fedfeat partition ... --export FILE`, or a fedfeat.partition.Partition"
     )
 
 
