@@ -7,11 +7,44 @@ The Python API (the CLI calls the same functions)::
     run = fedfeat.train(method="fst-cbdg", rounds=10, seed=0, params={"sigma": 0.5}, out="runs")
     run["final_acc"], run["path"]
     df = fedfeat.load_runs("runs")                                  # a DataFrame with pandas, else a list of dicts
+
+The pieces, for a loop of your own (README, "Your own method"; docs/architecture.md)::
+
+    part = fedfeat.make_partition(st.labels("train"), "dirichlet", clients=100, alpha=0.1)
+    data = fedfeat.engine.data.load_run_data(st, part)
+    glob, rows = fedfeat.run_federated(fedfeat.get_method("fedavg"), data, rounds=10, participation=0.1, seed=0)
 """
 
 from fedfeat._version import __version__
 
-__all__ = ["open_store", "train", "load_runs", "RunConfig", "__version__"]
+__all__ = [
+    "open_store",
+    "train",
+    "load_runs",
+    "RunConfig",
+    "FeatureStore",
+    "FedfeatError",
+    "Method",
+    "LinearHead",
+    "register",
+    "get_method",
+    "make_partition",
+    "run_federated",
+    "__version__",
+]
+
+# the rest of the public API, imported on first use (``import fedfeat`` stays light)
+_LAZY = {
+    "RunConfig": "fedfeat.runs.config",
+    "FeatureStore": "fedfeat.store.featurestore",
+    "FedfeatError": "fedfeat.errors",
+    "Method": "fedfeat.methods",
+    "LinearHead": "fedfeat.methods",
+    "register": "fedfeat.methods",
+    "get_method": "fedfeat.methods",
+    "make_partition": "fedfeat.partition",
+    "run_federated": "fedfeat.engine.rounds",
+}
 
 
 def open_store(path, mode: str = "r"):
@@ -44,8 +77,8 @@ def load_runs(*paths, metrics: bool = False, as_frame: bool | None = None):
 
 
 def __getattr__(name: str):
-    if name == "RunConfig":
-        from fedfeat.runs.config import RunConfig
+    if name in _LAZY:
+        import importlib
 
-        return RunConfig
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'fedfeat' has no attribute {name!r}")
