@@ -60,3 +60,15 @@ def test_no_import_cycle_in_fedfeat():
     graph = grimp.build_graph("fedfeat")
     assert len(graph.modules) > 50
     assert _cycles(graph) == []
+
+
+def test_the_public_api_resolves_to_the_modules_that_define_it():
+    import fedfeat
+    from fedfeat.engine.rounds import run_federated
+    from fedfeat.methods.head import LinearHead
+    from fedfeat.partition.make import make_partition
+
+    for name in fedfeat.__all__:
+        assert getattr(fedfeat, name) is not None, name
+    assert fedfeat.LinearHead is LinearHead and fedfeat.make_partition is make_partition
+    assert fedfeat.run_federated is run_federated
