@@ -47,6 +47,8 @@ CLIP = ["--clients", "3", "--participation", "1.0", "--rounds", "2", "--seed", "
         "--alpha", "1.0"]  # fmt: skip
 SMALL_SYNTHESIS = ["--set", "match_steps=5", "--set", "crt_epochs=5", "--set", "local_epochs=2"]
 PROMPT = ["--set", "batch_size=8", "--set", "n_ctx=2"]
+OPEN_VOCAB = ["--partition", "disjoint-classes", "--clients", "3", "--shots", "5", "--rounds", "2", "--participation",
+              "1.0", "--seed", "3"]  # fmt: skip
 
 # (run name, store key, argv after `train`): every registered method at least once
 RUNS: list[tuple[str, str, list[str]]] = [
@@ -64,46 +66,8 @@ RUNS: list[tuple[str, str, list[str]]] = [
     ("fst-cbdg-torch", "synth", ["--method", "fst-cbdg", "--kernel", "torch", *SYNTH]),
     ("creff", "synth", ["--method", "creff", *SYNTH, *SMALL_SYNTHESIS]),
     ("clip2fl", "synth", ["--method", "clip2fl", *SYNTH, *SMALL_SYNTHESIS]),
-    (
-        "fedclip",
-        "synth",
-        [
-            "--method",
-            "fedclip",
-            "--partition",
-            "disjoint-classes",
-            "--clients",
-            "3",
-            "--shots",
-            "5",
-            "--rounds",
-            "2",
-            "--participation",
-            "1.0",
-            "--seed",
-            "3",
-        ],
-    ),  # fmt: skip
-    (
-        "fed-mp",
-        "synth",
-        [
-            "--method",
-            "fed-mp",
-            "--partition",
-            "disjoint-classes",
-            "--clients",
-            "3",
-            "--shots",
-            "5",
-            "--rounds",
-            "2",
-            "--participation",
-            "1.0",
-            "--seed",
-            "3",
-        ],
-    ),  # fmt: skip
+    ("fedclip", "synth", ["--method", "fedclip", *OPEN_VOCAB]),
+    ("fed-mp", "synth", ["--method", "fed-mp", *OPEN_VOCAB]),
     ("copl-linear", "synth", ["--method", "copl-linear", *SYNTH]),
     ("promptfl", "clip", ["--method", "promptfl", *CLIP, *PROMPT]),
     ("fedtpg", "clip", ["--method", "fedtpg", *CLIP, "--set", "batch_size=8"]),
