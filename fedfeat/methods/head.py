@@ -139,8 +139,6 @@ class LinearHead(Method):
     def step_loss(self, ctx: Context, params: dict, batch: Batch, local: dict) -> torch.Tensor:
         """Per-client mean of ``sample_loss`` over the real samples -> ``[n]``; the engine sums it, differentiates
         and steps every client's head at once."""
-        if type(self).sample_loss is LinearHead.sample_loss:  # the built-in CE (one fused op)
-            return self.ce(params, batch)[0]
         return masked_mean(self.sample_loss(ctx, self.logits(params, batch.x), batch.y, local), batch.mask)
 
     def fused_loss(self):

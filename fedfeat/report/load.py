@@ -61,7 +61,7 @@ def load_runs(*paths, metrics: bool = False, as_frame: bool | None = None, warn=
     >>> runs.groupby(["method", "partition"])["final_acc"].agg(["mean", "std"])   # doctest: +SKIP
     """
     warn = warn or (lambda msg: print(f"warning: {msg}", file=sys.stderr))
-    found, _ = _collect(paths or ("runs",), warn)
+    found, _ = collect_runs(paths or ("runs",), warn)
     records = []
     for (summary, rows), path in found:
         rec = {k: v for k, v in summary.items() if k not in ("params", "env", "provenance")}
@@ -81,7 +81,7 @@ def load_runs(*paths, metrics: bool = False, as_frame: bool | None = None, warn=
     return pd.DataFrame.from_records(records)
 
 
-def _collect(paths, warn) -> tuple[list, list]:
+def collect_runs(paths, warn) -> tuple[list, list]:
     """``([((summary, metrics), path), ...], parents)``: readable finished runs; unreadable ones are warned about."""
     found, parents = [], []
     for p in map(Path, paths):

@@ -215,7 +215,7 @@ def _fmt(v) -> str:
 
 
 def seed_groups(runs, metric: str | list[str] = "test_acc", panel_key: str = "partition") -> list[dict]:
-    """Group runs that differ only in their seed. ``runs``: ``[(summary, metrics_rows), ...]`` (``_collect``'s
+    """Group runs that differ only in their seed. ``runs``: ``[(summary, metrics_rows), ...]`` (``collect_runs``'s
     records); returns ``[{"label", "panel", "rounds", "runs", "key", "seeds"}, ...]``, in first-seen order.
 
     ``runs[i]`` is one seed's values per round (rows whose ``metric`` is None are skipped, rounds evaluated by

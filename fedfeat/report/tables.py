@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from fedfeat.errors import FedfeatError
-from fedfeat.report.load import _collect, unfinished_runs
+from fedfeat.report.load import collect_runs, unfinished_runs
 
 
 def report(
@@ -41,7 +41,7 @@ def report(
         raise FedfeatError(f"unknown format '{fmt}'; choose markdown, csv or json")
     warn = warn or (lambda msg: print(msg, file=sys.stderr))
     problems: list[str] = []
-    found, parents = _collect(paths, problems.append)
+    found, parents = collect_runs(paths, problems.append)
     runs = [(summary, rows, q) for (summary, rows), q in found]
     unfinished = unfinished_runs(parents) if all_runs else []
     if not runs and not unfinished:  # one line: the first reason stands for all

@@ -286,7 +286,7 @@ def default_run_name(
     return f"{cfg.method}__{store_label(cfg.store, store_attrs)}__{part_key}__seed{cfg.seed}__{h}"
 
 
-def _provenance() -> dict:
+def provenance() -> dict:
     """fedfeat's version, the git commit when run from a checkout (``+dirty`` with local changes), the command."""
     from fedfeat._version import __version__
 

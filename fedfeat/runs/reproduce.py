@@ -228,7 +228,7 @@ def runnable(table: Table, stores: dict[str, Path], skip=()) -> dict[tuple[int, 
     method that re-encodes images (``fedcopl``) on a store without pixels. Columns in ``skip`` are left out."""
     from fedfeat.engine.rounds import resolve_device
     from fedfeat.runs.config import resolve_config
-    from fedfeat.runs.session import _live_text, open_store
+    from fedfeat.runs.session import live_text, open_store
 
     out: dict[tuple[int, int], str] = {}
     for r, row in enumerate(table.rows):
@@ -259,7 +259,7 @@ def runnable(table: Table, stores: dict[str, Path], skip=()) -> dict[tuple[int, 
                 )
             elif live:
                 try:
-                    _live_text(st, cfg, resolve_device(cfg.device))
+                    live_text(st, cfg, resolve_device(cfg.device))
                 except FedfeatError as e:
                     out[(r, c)] = str(e)
     return out

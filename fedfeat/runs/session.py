@@ -119,7 +119,7 @@ def run_partition(store, cfg: RunConfig, save: bool):
     return key, part, stored
 
 
-def _run_data(store, part, key: str, cfg: RunConfig, device, centralized: bool):
+def run_data(store, part, key: str, cfg: RunConfig, device, centralized: bool):
     """``load_run_data`` for this run, shared with the other runs of a sweep that read the same data."""
     from fedfeat.engine.data import load_run_data
 
@@ -137,7 +137,7 @@ def _run_data(store, part, key: str, cfg: RunConfig, device, centralized: bool):
     return data
 
 
-def _live_text(store, cfg: RunConfig, device):
+def live_text(store, cfg: RunConfig, device):
     from fedfeat.encoders.live import load_live_text
 
     sess = active()

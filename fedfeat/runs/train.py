@@ -34,8 +34,8 @@ from fedfeat.report import clipbench
 from fedfeat.report.load import SUMMARY_EXTRAS
 from fedfeat.report.rundir import CHECKPOINT, read_metrics
 from fedfeat.report import rundir
-from fedfeat.runs.config import RunConfig, _provenance, config_toml, default_run_name, resolve_config
-from fedfeat.runs.session import _live_text, _run_data, open_store, run_partition
+from fedfeat.runs.config import RunConfig, provenance, config_toml, default_run_name, resolve_config
+from fedfeat.runs.session import live_text, run_data, open_store, run_partition
 
 # every 10 rounds: at the CIFAR-10 shape a checkpoint (safetensors + fsync + rename) costs 2-35 % of a round
 # (fsync dominates a FedAvg head's 41 kB; FST-CBDG adds its [50000, 10] soft labels), so 10 rounds keep every
@@ -184,9 +184,9 @@ def _train_sharded(cfg, method, resume, overwrite, checkpoint_every, save_partit
             dist_ctx.barrier()
     store = open_store(cfg)
     _, part, _ = run_partition(store, cfg, False)
-    data = _run_data(store, part, "", cfg, device, getattr(method, "centralized", False))
+    data = run_data(store, part, "", cfg, device, getattr(method, "centralized", False))
     if getattr(method, "needs_live_text", False):
-        data.live = _live_text(store, cfg, device)
+        data.live = live_text(store, cfg, device)
     centralized = getattr(method, "centralized", False)
     run_federated(method, data, rounds=cfg.rounds, participation=1.0 if centralized else cfg.participation,
                   seed=cfg.seed,
@@ -242,9 +242,9 @@ def _train_locked(
 
                 to_json(part, rd.partial / "partition.json")  # computed here: kept with the run
         centralized = getattr(method, "centralized", False)
-        data = _run_data(store, part, key, cfg, device, centralized)
+        data = run_data(store, part, key, cfg, device, centralized)
         if getattr(method, "needs_live_text", False):  # prompt methods: the store's text encoder, checked
-            data.live = _live_text(store, cfg, device)
+            data.live = live_text(store, cfg, device)
             log(
                 f"live text encoder: {data.live.backbone} ({data.live.weights}) reproduces the store's text "
                 f"features (min cosine {data.live.min_cosine:.6f})"
@@ -381,7 +381,7 @@ def train_stacked(cfgs: list[RunConfig], *, overwrite: bool = False, log=print) 
     device = resolve_device(cfg0.device)
     store = open_store(cfg0)
     key, part, _ = run_partition(store, cfg0, False)
-    data = _run_data(store, part, key, cfg0, device, False)
+    data = run_data(store, part, key, cfg0, device, False)
     methods = [get_method(c.method, c.params) for c in cfgs]
     t0 = time.perf_counter()
     res = run_stacked(methods, data, rounds=cfg0.rounds, participation=[c.participation for c in cfgs],
@@ -460,7 +460,7 @@ def _summary(cfg, method, method_params, kernel, device, key, name, metrics, wal
             "python": platform.python_version(),
             "machine": platform.machine(),
         },
-        "provenance": _provenance(),
+        "provenance": provenance(),
     }
 
 
