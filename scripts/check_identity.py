@@ -39,6 +39,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+MARKER = ".fedfeat-identity"  # in a work directory this script made (and may remove)
 BASE = "a0ed124"  # the last commit before the re-layout (issue: the house by its data flow)
 
 SYNTH = ["--clients", "10", "--participation", "0.5", "--rounds", "3", "--seed", "1", "--partition", "dirichlet",
@@ -213,10 +214,20 @@ def main() -> int:
     a = ap.parse_args()
     runs = [r for r in RUNS if not a.only or r[0] in a.only.split(",")]
     sweep = not a.only or "sweep" in a.only.split(",")
+    for ref in filter(None, (a.base, a.head)):
+        ok = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "-q", f"{ref}^{{commit}}"],
+                            capture_output=True).returncode == 0  # fmt: skip
+        if not ok:
+            sys.exit(f"error: {ref} is not a commit of this repository; give a branch, tag or hash (git log)")
     work = Path(a.keep or tempfile.mkdtemp(prefix="fedfeat-identity-")).resolve()
-    if a.keep and work.exists():
+    if a.keep and work.exists() and any(work.iterdir()):
+        if not (work / MARKER).is_file():  # never delete a directory this script did not make
+            sys.exit(
+                f"error: --keep {work} exists and was not made by this script; give a new or empty directory"
+            )
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
+    (work / MARKER).write_text("made by scripts/check_identity.py\n")
     try:
         base = export_tree(a.base, work / "base-tree")
         head = export_tree(a.head, work / "head-tree") if a.head else ROOT
