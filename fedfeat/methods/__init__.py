@@ -25,6 +25,10 @@ from __future__ import annotations
 from fedfeat.methods import zeroshot, linear, fst_cbdg, synthesis  # noqa: E402, F401
 from fedfeat.methods import fedmp, promptfl, fedcopl  # noqa: E402, F401
 
+# CLIP2FL Table 1's other baselines and FedCoPL's pFedPrompt / FedOPT
+from fedfeat.methods import fednova, focal, ratio_loss, tau_norm, ccvr, feddf, fedbe  # noqa: E402, F401
+from fedfeat.methods import pfedprompt, fedopt  # noqa: E402, F401
+
 # isort: on
 from fedfeat.methods.base import REGISTRY, Method, get_method, method_table, register  # noqa: E402
 from fedfeat.methods.head import LinearHead, LinearHeadParams  # noqa: E402

@@ -1,0 +1,1 @@
+"""CCVR (being written)."""

@@ -1,0 +1,1 @@
+"""FedBE (being written)."""

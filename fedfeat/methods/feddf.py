@@ -1,0 +1,1 @@
+"""FedDF (being written)."""

@@ -1,0 +1,1 @@
+"""FedNova (being written)."""

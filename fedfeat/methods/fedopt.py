@@ -1,0 +1,1 @@
+"""FedOPT (being written)."""

@@ -1,0 +1,1 @@
+"""Fed-Focal Loss (being written)."""

@@ -1,0 +1,1 @@
+"""pFedPrompt (being written)."""

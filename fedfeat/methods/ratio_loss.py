@@ -1,0 +1,1 @@
+"""Ratio Loss (being written)."""

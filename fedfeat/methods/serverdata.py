@@ -1,0 +1,1 @@
+"""server-side data (being written)."""

@@ -1,0 +1,1 @@
+"""FedAvg + tau-norm (being written)."""
