@@ -57,10 +57,15 @@ def run_local(
     glob: dict[str, torch.Tensor],
     rows: slice | None = None,
     kernel: str = "torch",
+    carried: dict | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """Local update of the plan's clients ``rows`` (default all) as one batched program: the torch tensor
     program below (``kernel="torch"``), or the method's fused CPU kernel for a whole epoch (``"fused"``,
     ``fedfeat.engine.kernels``).
+
+    ``carried``: the optimiser state of a method whose optimiser lives across clients and rounds
+    (``Method.carries_optimizer``; one client at a time): the update starts from ``carried["state"]`` (when there is
+    one) instead of fresh state, and leaves its final state there.
 
     Returns the clients' final parameters ``{name: [m, ...]}`` and a few statistics.
     """
@@ -79,6 +84,8 @@ def run_local(
     params.update(method.local_params(ctx, plan))
     opt = method.make_optimizer(plan.rnd)
     opt.reset(params)
+    if carried is not None and carried.get("state"):  # the reference codes' one optimiser for every client
+        opt.state = carried["state"]
     local = method.local_begin(ctx, plan, glob)
     if kernel == "fused":  # whole epochs (epoch_begin's draws included) in the method's compiled kernel
         opt.state["fused"] = {k: round_buffer(ctx, "momentum " + k, m, v) for k, v in glob.items()}
@@ -116,7 +123,24 @@ def run_local(
             loss_sum += loss.detach().double().sum()
             loss_n += n
     method.local_end(ctx, plan, local, params)
+    if carried is not None:
+        carried["state"] = opt.state
     return params, {"loss_sum": float(loss_sum), "loss_steps": loss_n}
+
+
+def run_carried(method, ctx: Context, plan: RoundPlan, glob: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """The local updates of a method whose optimiser state carries from client to client and round to round
+    (``Method.carries_optimizer``: the reference codes of PromptFL and FedCoPL make their SGD once and never reset
+    it, so momentum leaks across clients): the plan's clients one after another in ascending client id, each
+    starting from the state the previous one left (kept in ``ctx.state["carried_optimizer"]``, checkpointed with the
+    run). Inherently sequential: both engines run it so, and give the same result."""
+    holder = ctx.state.setdefault("carried_optimizer", {})
+    outs: list = [None] * plan.m
+    for j in torch.argsort(plan.clients).tolist():
+        outs[j] = run_local(method, ctx, plan, glob, rows=slice(j, j + 1), carried=holder)
+    params = {k: torch.cat([o[0][k] for o in outs]) for k in outs[0][0]}
+    st = {k: sum(o[1][k] for o in outs) for k in ("loss_sum", "loss_steps")}
+    return params, st
 
 
 def evaluate(method, ctx: Context, glob: dict, test_y: torch.Tensor, n_classes: int) -> dict:
@@ -205,6 +229,8 @@ def resolve_kernel(kernel: str, method, engine: str, device: torch.device) -> st
         why = f"fused kernels are CPU kernels (device {device}); on a GPU the torch program is the fast one"
     elif not method.has_fused():
         why = f"method {method.name} has no fused kernel"
+    elif method.carries_optimizer():
+        why = f"method {method.name} carries its optimiser from client to client (one client at a time)"
     else:
         from fedfeat.engine import kernels  # noqa: F401  (numba: a dependency)
     if why is None:
@@ -332,6 +358,12 @@ def _run(
             f"method {method.name} cannot be sharded across processes (it keeps per-sample state that local "
             "training updates, or has no sharded form yet); run it in one process"
         )
+    if world > 1 and method.carries_optimizer():
+        raise FedfeatError(
+            f"method {method.name} carries its optimiser state from client to client (the reference code's "
+            "one optimiser): its clients run one after another; run it in one process, or give it fresh "
+            "per-client optimisers (its optimizer_state=fresh switch)"
+        )
     if world > 1 and engine != "batched":
         raise FedfeatError("torchrun shards the batched engine's clients; use --engine batched")
     K = len(data.class_names)
@@ -372,7 +404,9 @@ def _run(
         method.round_begin(ctx, rnd, glob)
         clients = method.sample(ctx, rnd, participation)
         plan = make_plan(ctx, rnd, clients, method.p.batch_size, method.p.local_epochs)
-        if engine == "batched" and world > 1:
+        if method.carries_optimizer() and plan.m:
+            cparams, st = run_carried(method, ctx, plan, glob)
+        elif engine == "batched" and world > 1:
             cparams, st = sharded_local(method, ctx, plan, glob, kernel, rank, world)
         elif engine == "batched":
             cparams, st = run_local(method, ctx, plan, glob, kernel=kernel)

@@ -183,6 +183,13 @@ class Method:
     def sample(self, ctx: Context, rnd: int, participation: float) -> np.ndarray:
         return sample_clients(ctx.seed, rnd, ctx.n_clients, participation)
 
+    def carries_optimizer(self) -> bool:
+        """True: one optimiser serves every client of every round, its state (momentum) carried from client to
+        client, as PromptFL's and FedCoPL's reference codes do (``fedfeat.engine.rounds.run_carried``: the clients
+        then run one after another). Default: a method's ``optimizer_state`` param, ``"carried"``; else fresh state
+        for every client in every round (each FedAvg client makes its own optimiser)."""
+        return getattr(self.p, "optimizer_state", "fresh") == "carried"
+
     def make_optimizer(self, rnd: int):
         p = self.p
         lr = p.lr * (getattr(p, "lr_decay", 1.0) ** (rnd - 1))
