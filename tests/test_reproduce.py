@@ -49,7 +49,11 @@ def test_table4_on_stand_in_stores_matches_its_runs(small_shapes, tmp_path):
     md = R.reproduce("fst-cbdg-table4", store_root=tmp_path / "cache", synthetic=True, seeds=2, rounds=2,
                      out=tmp_path / "runs", log=logs.append)  # fmt: skip
     assert sum("finished already, skipped" in m for m in logs) == 16
-    assert "SYNTHETIC STAND-IN STORES" in md and "| Balanced sampling |" in md and "(74.0)" in md
+    assert (
+        md.startswith("SYNTHETIC STAND-IN, NOT A REPRODUCTION -- FST-CBDG Table 4")
+        and "| Balanced sampling |" in md
+        and "(74.0)" in md
+    )
 
 
 def test_missing_store_names_the_make_target(tmp_path):
@@ -127,7 +131,15 @@ def test_fedmp_table_open_vocab_metric_and_na_rows(tiny_new_tables, tmp_path):
     f1 = np.mean([r["novel_f1"] for r in runs if r["method"] == "fed-mp"])
     line = next(x for x in md.splitlines() if x.startswith("| Caltech101 |")).split(" | ")
     assert line[-1].startswith(f"{f1:.2f}") and line[-1].endswith("(98.76 ± 0.20) |")
-    assert md.splitlines()[0].startswith("Fed-MP Table 1") and "[summary.json: novel_f1]" in md
+    head = md.splitlines()
+    assert (
+        head[0].startswith("SYNTHETIC STAND-IN, NOT A REPRODUCTION -- Fed-MP Table 1")
+        and "[summary.json: novel_f1]" in md
+    )
+    assert head[1] == (
+        "setting: backbone ViT-L-14-336; 10 clients, 100 % of them per round; rounds 1 (the paper's: 2); seeds 0..1; partition: "
+        "preset caltech101, 10 shots per class; metric: novel_f1"
+    )
     assert "| dataset | CLIP-ZS (not in the paper) | FedAvg (NN) |" in md and "| Average |" in md
     assert "n/a for PromptFL (all columns): promptfl needs the store's live text encoder" in md
 
@@ -218,3 +230,24 @@ def test_prompt_rows_on_an_encoded_store_run_or_say_why(tmp_path):
     fpl = [x for x in runs if x["method"] == "promptfl" and x["partition"].startswith("dirichlet-joint")]
     assert len(fpl) == 1 and by[("PromptFL + FPL", "joint")]["mean"] == pytest.approx(fpl[0]["final_acc"])
     assert not [x for x in runs if x["method"] == "fedcopl"]
+
+
+def test_reproduce_list_names_every_table_with_its_setting():
+    from typer.testing import CliRunner
+
+    from fedfeat.cli.app import app
+
+    r = CliRunner().invoke(app, ["reproduce", "--list"])
+    assert r.exit_code == 0, r.output
+    lines = {ln.split(" | ")[0].strip("| "): ln for ln in r.output.splitlines() if ln.startswith("| ")}
+    assert set(R.TABLES) <= set(lines)
+    assert "backbone ViT-B-32; 20 clients, 40 % of them per round; rounds 200" in lines["clip2fl-table1"]
+    assert "10, 5 clients" in lines["fedcopl-table1"] and "metric: local_acc" in lines["fedcopl-table1"]
+    js = CliRunner().invoke(app, ["reproduce", "--list", "--format", "json"])
+    import json
+
+    got = {t["name"]: t for t in json.loads(js.output)}
+    assert [r["label"] for r in got["fed-mp-table1"]["rows"] if r["method"] is None] == [
+        "FedAvg (NN)",
+        "FedKA (NN)",
+    ]

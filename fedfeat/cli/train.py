@@ -287,9 +287,11 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def reproduce(
-        name: str = typer.Argument(
-            ...,
-            help="fst-cbdg-table1 .. fst-cbdg-table4, clip2fl-table1, fed-mp-table1, fed-mp-table1-f1, fedcopl-table1.",
+        name: Optional[str] = typer.Argument(
+            None, help="The table (see --list): fst-cbdg-table1 .. 4, clip2fl-table1, fed-mp-table1(-f1), fedcopl-table1."
+        ),
+        list_: bool = typer.Option(
+            False, "--list", help="List the tables (name, title, rows, setting) and exit."
         ),
         store_root: Path = typer.Option(
             Path("cache"), help="Where the encoded stores are: ROOT/<dataset>/<backbone>-*.zarr."
@@ -297,10 +299,10 @@ def register(app: typer.Typer) -> None:
         synthetic: bool = typer.Option(
             False,
             "--synthetic",
-            help="Build synthetic stand-in stores (the numbers then say nothing about data).",
+            help="Build synthetic stand-in stores (the numbers then say nothing about data; the title says so).",
         ),
         seeds: int = typer.Option(5, help="Seeds per cell (0 .. N-1)."),
-        rounds: Optional[int] = typer.Option(None, help="Override the paper's round count."),
+        rounds: Optional[int] = typer.Option(None, help="Override the paper's round count (the header says so)."),
         out: Optional[Path] = typer.Option(None, help="Parent of the runs. Default runs/reproduce-NAME."),
         fmt: str = typer.Option("markdown", "--format", help="markdown, csv or json."),
         overwrite: bool = typer.Option(
@@ -309,9 +311,17 @@ def register(app: typer.Typer) -> None:
         quiet: bool = typer.Option(False, "--quiet", help="No per-run lines."),
     ) -> None:
         """Run a paper's table (its grid x seeds, in one process) and print it in the paper's layout, ours
-        (mean ± std) beside the paper's numbers."""
+        (mean ± std) beside the paper's numbers, under a header with the setting."""
+        from fedfeat.runs.reproduce import TABLES, list_tables
         from fedfeat.runs.reproduce import reproduce as run_table
 
+        if list_:
+            if fmt not in ("markdown", "csv", "json"):
+                raise FedfeatError(f"unknown format '{fmt}'; choose markdown, csv or json")
+            typer.echo(list_tables(fmt))
+            return
+        if name is None:
+            raise FedfeatError(f"name a table (fedfeat reproduce --list): {', '.join(TABLES)}")
         log = (lambda *a: None) if quiet else (lambda m: typer.echo(m, err=True))
         typer.echo(
             run_table(

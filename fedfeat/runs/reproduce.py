@@ -175,8 +175,8 @@ def find_store(root: Path, dataset: str, backbone: str, table: Table, synthetic:
     """The store of ``dataset`` under ``root``: a stand-in built on first use (``synthetic``), else the encoded
     one; a missing store is a one-line error naming the make target that builds it."""
     if synthetic:
-        from fedfeat.store.urls import is_store
         from fedfeat.store.synth import SynthParams, write_synthetic_store
+        from fedfeat.store.urls import is_store
 
         path = root / f"synth-{dataset}-{backbone.lower()}.zarr"
         if not is_store(path):
@@ -320,6 +320,73 @@ def _paper(table: Table, label: str, c: int, avg: bool = False) -> tuple[float |
     return (None if p is None else round(p * k, 10)), (None if sd is None else round(sd * k, 10))
 
 
+def _values(table: Table, key: str) -> list:
+    """The distinct values of run setting ``key`` over the table's columns (a column's own, else the table's)."""
+    vals = [col.settings.get(key, table.fixed.get(key)) for col in table.columns]
+    return [v for v in dict.fromkeys(vals) if v is not None]
+
+
+def _partition_text(table: Table) -> str:
+    parts = []
+    for col in table.columns:
+        st = {**table.fixed, **col.settings}
+        kind = st.get("preset") and f"preset {st['preset']}" or st.get("partition", "iid")
+        if st.get("alpha") is not None:
+            kind += f" alpha={st['alpha']:g}"
+        if st.get("shots") is not None:
+            kind += f", {st['shots']} shots per class"
+        if st.get("shards") is not None:
+            kind += f" s={st['shards']}"
+        if st.get("imbalance_factor") is not None:
+            kind = f"long-tailed IF={st['imbalance_factor']:g}, " + kind
+        parts.append(kind)
+    return "; ".join(dict.fromkeys(parts))
+
+
+def setting(table: Table, rounds: int | None = None, seeds: int | None = None) -> str:
+    """One line of the table's setting: backbone, clients, participation, rounds (the paper's, and ours where
+    ``--rounds`` changes them), seeds, partitions and metric -- what a reader needs to know what was run."""
+    clients = ", ".join(str(c) for c in _values(table, "clients")) or "?"
+    part = _values(table, "participation")
+    paper_rounds = table.fixed.get("rounds")
+    r = (
+        f"{paper_rounds}"
+        if rounds is None or rounds == paper_rounds
+        else f"{rounds} (the paper's: {paper_rounds})"
+    )
+    out = (
+        f"setting: backbone {table.backbone}; {clients} clients, "
+        f"{', '.join(f'{100 * p:g} %' for p in part) or '100 %'} of them per round; rounds {r}"
+    )
+    if seeds is not None:
+        out += f"; seeds 0..{seeds - 1}"
+    out += f"; partition: {_partition_text(table)}; metric: {table.metric}"
+    return out
+
+
+def list_tables(fmt: str = "markdown") -> str:
+    """``fedfeat reproduce --list``: every table's name, title, setting and rows (n/a rows with their reason)."""
+    from fedfeat.report.tables import _table
+
+    if fmt == "json":
+        import json
+
+        return json.dumps(
+            [
+                {"name": t.name, "title": t.title, "setting": setting(t), "columns": [c.label for c in t.columns],
+                 "rows": [{"label": r.label, "method": r.method, "why": r.why or None} for r in t.rows]}
+                for t in TABLES.values()
+            ],
+            indent=1,
+        )  # fmt: skip
+    rows = [
+        [t.name, t.title, str(len(t.columns)), ", ".join(r.label + ("" if r.method else " (n/a)") for r in t.rows),
+         setting(t).removeprefix("setting: ")]
+        for t in TABLES.values()
+    ]  # fmt: skip
+    return _table(["table", "title", "columns", "rows", "setting"], rows, fmt)
+
+
 def render(
     table: Table,
     summaries: list,
@@ -328,10 +395,12 @@ def render(
     fmt: str = "markdown",
     skipped=None,
     blocked=None,
+    rounds: int | None = None,
 ) -> str:
     """The paper's layout: rows = methods, columns = settings (transposed where the paper has datasets as rows);
     a cell = ours (the table's metric: mean ± std (n) over seeds) and the paper's number beside it. ``summaries``
-    holds None for a run that was not made."""
+    holds None for a run that was not made. The header states the setting (``setting``); a table of synthetic
+    stand-in stores says so in its title (it is not a reproduction: its numbers say nothing about real data)."""
     import json
 
     from fedfeat.report.tables import _table
@@ -400,9 +469,15 @@ def render(
         rows = [[row.label] + [cell(r, c) for c in range(ncol)] + ([avg_cell(r)] if table.paper_avg is not None
                 else []) for r, row in enumerate(table.rows)]  # fmt: skip
     n = max((x[2] for x in cells.values()), default=0)
+    title = (
+        f"SYNTHETIC STAND-IN, NOT A REPRODUCTION -- {table.title} (ours on synthetic features shaped like the "
+        "datasets; the paper's numbers, on real data, in parentheses for the layout only)"
+        if synthetic
+        else table.title
+    )
     head = (
-        f"{table.title}\nmetric: {table.metric_label} [summary.json: {table.metric}]; ours: mean ± std over {n} "
-        "seed(s), the paper's number (± its std where it prints one) in parentheses"
+        f"{title}\n{setting(table, rounds, n or None)}\nmetric: {table.metric_label} [summary.json: {table.metric}]; "
+        f"ours: mean ± std over {n} seed(s), the paper's number (± its std where it prints one) in parentheses"
     )
     if table.paper_scale != 1:
         head += f"; the paper prints fractions, shown x{table.paper_scale:g}"
@@ -494,7 +569,7 @@ def reproduce(
             for i, p in zip(idx, got):
                 paths[i] = p
     summaries = [None if p is None else load_run(p)[0] for p in paths]
-    return render(table, summaries, where, synthetic, fmt, skipped, blocked)
+    return render(table, summaries, where, synthetic, fmt, skipped, blocked, rounds=rounds)
 
 
-__all__ = ["TABLES", "reproduce"]
+__all__ = ["TABLES", "list_tables", "reproduce", "setting"]
