@@ -67,6 +67,12 @@ def register(app: typer.Typer) -> None:
             "training class counts; joint: the test split drawn with --partition dirichlet-joint (FedCoPL). Reports "
             "local_acc, the mean of per-client accuracies (FedCoPL's metric).",
         ),
+        val_split: Optional[float] = typer.Option(
+            None,
+            help="Hold out this fraction of each test class as a validation set (a fixed seed: the same split "
+            "for every --seed): val_acc is measured on it, test metrics leave it out, and `report --best` selects on "
+            "it. Open-vocabulary runs validate on the query set's 20 %% (--query-val paper) instead. Default: none.",
+        ),
         clients: Optional[int] = typer.Option(None, help="Number of clients. Default 100."),
         participation: Optional[float] = typer.Option(
             None, help="Fraction of clients per round; max(1, int(p * clients)) are sampled. Default 0.1."
@@ -160,6 +166,7 @@ def register(app: typer.Typer) -> None:
             "shot_thresholds": shot_thresholds,
             "pretrained": pretrained,
             "local_test": local_test,
+            "val_split": val_split,
             "eval_every": eval_every,
         }
         opts = dict(

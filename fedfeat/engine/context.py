@@ -75,6 +75,9 @@ class Context:
     class_names: list[str] = field(default_factory=list)
     rounds: int = 0  # the run's number of rounds (learning-rate schedules over the run)
     local_test: list | None = None  # per client: int64 rows of test_x (FedCoPL's local test splits), or None
+    val_mask: torch.Tensor | None = (
+        None  # [N_test] bool: test_x rows held out for validation (--val-split), or None
+    )
     cache: dict = field(default_factory=dict)  # derived read-only tensors (never checkpointed: not ``state``)
     store: object | None = None  # the FeatureStore (live image methods read its pixels)
     train_rows: np.ndarray | None = None  # [N] store rows of the client-major training samples

@@ -40,6 +40,9 @@ class RunData:
     store: object | None = None  # the FeatureStore it was read from
     rows: np.ndarray | None = None  # [N] store rows of train_x (client-major)
     test_rows: np.ndarray | None = None  # [N_test] store rows of test_x (closed runs)
+    val_mask: torch.Tensor | None = (
+        None  # [N_test] bool: rows of test_x held out for validation (``val_split``)
+    )
 
 
 def _normalize(x: torch.Tensor) -> torch.Tensor:
@@ -87,6 +90,7 @@ def build_context(data: RunData, method, seed: int, device: torch.device) -> Con
         store=data.store,
         train_rows=data.rows,
         test_rows=data.test_rows,
+        val_mask=data.val_mask,
     )
     if getattr(method, "needs_live_text", False) and data.live is None:
         raise FedfeatError(
@@ -126,13 +130,21 @@ def load_run_data(
     query_val: str = "paper",
     query_seed: int = 0,
     local_test: str = "none",
+    val_split: float = 0.0,
 ) -> RunData:
     """Load a store's train (in the partition's client-major order) and test splits onto ``device``.
 
     ``dtype`` float32 by default (stored float16 is upcast: never compute in float16 on a CPU); float64 is
     for exactness checks (the engines agree to ~1e-12 there). A ``disjoint-classes`` partition makes the run
     open-vocabulary (``fedfeat.partition.openvocab``: ``local_val`` and ``query_val`` say how the clients' shots and the
-    query set are split; the query set, not the whole test split, is then ``test_x`` / ``test_y``)."""
+    query set are split; the query set, not the whole test split, is then ``test_x`` / ``test_y``).
+
+    ``val_split`` f > 0 (closed runs) holds out a validation set from the test split, as Fed-MP holds out 20 % of its
+    query set (``query_val="paper"``): per class, ``round(f · n_c)`` test images chosen by a permutation seeded with
+    ``query_seed`` (the same for every training seed, so the seeds of a setting share one split). They stay in
+    ``test_x`` (one prediction pass serves both) and ``val_mask`` marks them: the test metrics (``test_acc``,
+    per-class and local accuracies) leave them out, ``val_acc`` is measured on them. Open-vocabulary runs validate on
+    the query set's validation part instead."""
     check_labels(store)
     labels = store.labels("train")
     ov_parts = None
@@ -184,6 +196,30 @@ def load_run_data(
         else:
             split = local_test_split(partition, labels, ty_np[keep], K, seed=query_seed)
         lt = [torch.from_numpy(r) for r in split]
+    vmask = None
+    if val_split:
+        if not 0 < val_split < 1:
+            raise FedfeatError(
+                f"--val-split must be in [0, 1), got {val_split} (e.g. 0.2: 20 % of each test class)"
+            )
+        if ov is not None:
+            raise FedfeatError(
+                "--val-split holds out part of a closed run's test split; an open-vocabulary run validates on its "
+                "query set's validation part (--query-val paper): drop --val-split"
+            )
+        if not has_test:
+            raise FedfeatError(
+                "--val-split holds out part of the test split, and this store has none: drop it"
+            )
+        vm = holdout(ty_np[keep], val_split, query_seed)
+        if not vm.any() or vm.all():
+            raise FedfeatError(
+                f"--val-split {val_split} leaves {'no validation' if not vm.any() else 'no test'} images on a test "
+                "split this small; choose a fraction between 0.05 and 0.5"
+            )
+        vmask = torch.from_numpy(vm).to(device)
+        if lt is not None:  # the local test splits keep their test rows only
+            lt = [r[~torch.from_numpy(vm)[r]] for r in lt]
     return RunData(
         train_x=x,
         train_y=y,
@@ -199,7 +235,23 @@ def load_run_data(
         store=store,
         rows=order,
         test_rows=np.flatnonzero(keep) if ov is None and has_test else None,
+        val_mask=vmask,
     )
+
+
+def holdout(y: np.ndarray, fraction: float, seed: int) -> np.ndarray:
+    """``[len(y)]`` bool: per class, ``round(fraction · n_c)`` (Python's round) positions (a permutation of the class's positions
+    from one ``RandomState(seed)``, classes in ascending order) are held out.
+
+    >>> holdout(np.array([0, 0, 0, 0, 1, 1, 1, 1, 1]), 0.5, 0).astype(int).tolist()
+    [0, 0, 1, 1, 1, 0, 1, 0, 0]
+    """
+    rs = np.random.RandomState(seed)
+    out = np.zeros(len(y), dtype=bool)
+    for c in np.unique(y):
+        idx = np.flatnonzero(y == c)
+        out[idx[rs.permutation(len(idx))[: int(round(fraction * len(idx)))]]] = True
+    return out
 
 
 def _open_vocab(parts, labels, feats, tx_np, ty_np, has_test, K, query_val, query_seed, device, dtype):

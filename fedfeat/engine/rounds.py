@@ -151,14 +151,21 @@ def evaluate(method, ctx: Context, glob: dict, test_y: torch.Tensor, n_classes: 
     # faster than the strided reduction (10,000 x 10: 0.45 vs 1.44 ms on one thread), and gives the same indices
     pred = logits.contiguous().argmax(1)
     correct = (pred == test_y).to(torch.float64)
+    extra = {}
+    if getattr(ctx, "local_test", None) is not None:  # its rows are test rows (validation rows left out)
+        extra = local_accuracy(method, ctx, glob, correct, test_y)
+    vm = getattr(ctx, "val_mask", None)
+    if vm is not None:  # --val-split: one prediction pass, the held-out rows scored apart
+        extra["val_acc"] = float(correct[vm].mean()) * 100
+        pred, test_y, correct = pred[~vm], test_y[~vm], correct[~vm]
     per_class = torch.zeros(n_classes, dtype=torch.float64, device=test_y.device).index_add_(
         0, test_y, correct
     )
     cnt = torch.bincount(test_y, minlength=n_classes).to(torch.float64)
     pc = (per_class / cnt.clamp_min(1)).tolist()
     out = {"acc": float(correct.mean()) * 100, "per_class_acc": [100 * v for v in pc], "pred": pred}
-    if getattr(ctx, "local_test", None) is not None:
-        out["extra"] = local_accuracy(method, ctx, glob, correct, test_y)
+    if extra:
+        out["extra"] = extra
     return out
 
 
@@ -201,7 +208,12 @@ def evaluate_open_vocab(method, ctx: Context, glob: dict, test_y: torch.Tensor, 
         base_acc = float(bc.mean()) * 100
         hits.index_add_(0, by, bc)
         cnt += torch.bincount(by, minlength=n_classes).to(torch.float64)
+    val_acc = None
+    if len(ov.qval_y):  # the query set's validation part (query_val="paper"): Fed-MP's 20 %
+        qy = ov.qval_y.to(test_y.device)
+        val_acc = float((method.predict_classes(ctx, glob, ov.qval_x, novel) == qy).double().mean()) * 100
     extra = {
+        "val_acc": val_acc,
         "novel_precision": 100 * precision,
         "novel_recall": 100 * recall,
         "novel_f1": 100 * f1,

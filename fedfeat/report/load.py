@@ -15,7 +15,7 @@ from fedfeat.report import rundir
 from fedfeat.report.rundir import CHECKPOINT, read_metrics
 
 SUMMARY_EXTRAS = ("many_acc", "medium_acc", "few_acc", "pseudo_label_acc", "novel_precision", "novel_recall",
-                  "novel_f1", "base_acc", "hm", "local_acc", "local_acc_std")  # fmt: skip
+                  "novel_f1", "base_acc", "hm", "local_acc", "local_acc_std", "val_acc")  # fmt: skip
 SUMMARY_KEYS = ("method", "partition", "rounds", "initial_acc", "final_acc", "best_acc", "seconds_per_round",
                 "bytes_up", "params")  # fmt: skip
 

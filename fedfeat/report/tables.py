@@ -67,7 +67,13 @@ def report(
         return json.dumps([{**s, "path": str(q)} for s, _, q in runs], indent=1)
     has_lt = any("many_acc" in s for s, _, _ in runs)
     has_pl = any(s.get("pseudo_label_acc") is not None for s, _, _ in runs)
-    cols = ["method", "settings", "partition", "labels", "rounds", "round-0 acc", "final acc", "best acc"]
+    # "best acc" is the best evaluated round on the test split itself: labelled so; a run with a validation split
+    # (--val-split, open vocabulary's query validation) also gets the test accuracy at its best validation round
+    cols = ["method", "settings", "partition", "labels", "rounds", "round-0 acc", "final acc",
+            "best acc (selected on test)"]  # fmt: skip
+    has_val = any(s.get("test_acc_at_best_val") is not None for s, _, _ in runs)
+    if has_val:
+        cols += ["val acc", "test acc @ best val round"]
     if has_lt:
         cols += ["many", "medium", "few"]
     if has_pl:
@@ -94,6 +100,8 @@ def report(
             f"{s['final_acc']:.2f}",
             f"{s['best_acc']:.2f}",
         ]
+        if has_val:
+            row += [_fmt(s.get("val_acc")), _fmt(s.get("test_acc_at_best_val"))]
         if has_lt:
             row += [_fmt(s.get(k)) for k in ("many_acc", "medium_acc", "few_acc")]
         if has_pl:
@@ -140,7 +148,8 @@ def _unfinished_table(rows: list[dict], fmt: str) -> str:
     return _table(cols, cells, fmt)
 
 
-SEED_METRICS = {"final_acc": "final acc", "best_acc": "best acc", "novel_precision": "novel P",
+SEED_METRICS = {"final_acc": "final acc", "best_acc": "best acc (selected on test)", "val_acc": "val acc",
+                "test_acc_at_best_val": "test acc @ best val round", "novel_precision": "novel P",
                 "novel_recall": "novel R", "novel_f1": "novel F1", "base_acc": "base acc", "hm": "HM",
                 "many_acc": "many", "medium_acc": "medium", "few_acc": "few",
                 "pseudo_label_acc": "pseudo-label acc", "local_acc": "local acc"}  # fmt: skip

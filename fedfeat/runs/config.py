@@ -50,6 +50,7 @@ DEFAULTS = {
     "preset": None,
     "pretrained": None,
     "local_test": None,
+    "val_split": None,
     "eval_every": 1,
 }
 TYPES = {
@@ -63,6 +64,7 @@ TYPES = {
     "seed": int,
     "shots": int,
     "eval_every": int,
+    "val_split": float,
 }  # every other key is a string
 # settings that do not enter a run's identity hash (the name shows them, or they say where, not what)
 NOT_IN_HASH = ("method", "store", "out", "name", "seed", "store_fingerprint", "params", "pretrained")
@@ -98,6 +100,7 @@ class RunConfig:
     )
     eval_every: int = DEFAULTS["eval_every"]  # evaluate at round 0, every N-th round and the last
     local_test: str | None = None  # none | proportional | joint: per-client test splits (FedCoPL)
+    val_split: float | None = None  # fraction of each test class held out for validation (val_acc; report --best)
     pretrained: str | None = (
         None  # prompt methods: where the store's checkpoint is (default: where encode read it)
     )
@@ -211,6 +214,8 @@ def validate_config(cfg: RunConfig) -> None:
         math.isfinite(cfg.imbalance_factor) and cfg.imbalance_factor >= 1
     ):
         bad("imbalance_factor", f"must be a finite number >= 1, got {cfg.imbalance_factor} (e.g. 100)")
+    if cfg.val_split is not None and not (math.isfinite(cfg.val_split) and 0 <= cfg.val_split < 1):
+        bad("val_split", f"must be in [0, 1), got {cfg.val_split} (e.g. 0.2: 20 % of each test class validates)")
     if cfg.shards is not None and cfg.shards < 1:
         bad("shards", f"must be >= 1, got {cfg.shards}")
     if cfg.shots is not None and cfg.shots < 1:

@@ -125,12 +125,14 @@ def run_data(store, part, key: str, cfg: RunConfig, device, centralized: bool):
 
     sess = active()
     lv, qv, lt = cfg.local_val or "paper", cfg.query_val or "paper", cfg.local_test or "none"
-    ck = (str(store.path), key, str(device), centralized, lv, qv, lt)
+    vs = cfg.val_split or 0.0
+    ck = (str(store.path), key, str(device), centralized, lv, qv, lt, vs)
     if sess is not None and ck in sess.data:
         return sess.data[ck]
     data = load_run_data(
-        store, part, device=device, centralized=centralized, local_val=lv, query_val=qv, local_test=lt
-    )
+        store, part, device=device, centralized=centralized, local_val=lv, query_val=qv, local_test=lt,
+        val_split=vs,
+    )  # fmt: skip
     if sess is not None:
         data.memo = {}
         sess.data[ck] = data

@@ -30,11 +30,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedfeat.engine.data import RunData, build_context
-
-from fedfeat.engine.rounds import check_finite, resolve_kernel
-
 from fedfeat.engine.context import epoch_tables, make_plan, masked_mean, param_bytes
+from fedfeat.engine.data import RunData, build_context
+from fedfeat.engine.rounds import check_finite, resolve_kernel
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.fst_cbdg import synthetic_head
 from fedfeat.methods.head import batched_linear
@@ -242,7 +240,7 @@ def _record(
     if not skip:
         c0 = ctxs[runs[0]]
         K = c0.K
-        if c0.local_test is None and c0.open_vocab is None:
+        if c0.local_test is None and c0.open_vocab is None and c0.val_mask is None:
             W = torch.stack([globs[r]["W"] for r in runs])  # [r, K, D]
             b = torch.stack([globs[r]["b"] for r in runs])
             scale = torch.tensor([methods[r].p.logit_scale for r in runs], dtype=W.dtype, device=W.device)

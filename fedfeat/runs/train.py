@@ -30,12 +30,11 @@ import torch
 
 from fedfeat.engine.rounds import resolve_device, resolve_kernel
 from fedfeat.errors import FedfeatError
-from fedfeat.report import clipbench
+from fedfeat.report import clipbench, rundir
 from fedfeat.report.load import SUMMARY_EXTRAS
 from fedfeat.report.rundir import CHECKPOINT, read_metrics
-from fedfeat.report import rundir
-from fedfeat.runs.config import RunConfig, provenance, config_toml, default_run_name, resolve_config
-from fedfeat.runs.session import live_text, run_data, open_store, run_partition
+from fedfeat.runs.config import RunConfig, config_toml, default_run_name, provenance, resolve_config
+from fedfeat.runs.session import live_text, open_store, run_data, run_partition
 
 # every 10 rounds: at the CIFAR-10 shape a checkpoint (safetensors + fsync + rename) costs 2-35 % of a round
 # (fsync dominates a FedAvg head's 41 kB; FST-CBDG adds its [50000, 10] soft labels), so 10 rounds keep every
@@ -162,8 +161,8 @@ def _train_sharded(cfg, method, resume, overwrite, checkpoint_every, save_partit
     """``torchrun --nproc-per-node N -m fedfeat train ...``: every rank loads the data and trains its share of each
     round's clients (``engine.sharded_local``); rank 0 alone writes the run directory, exactly as one process
     would, and the other ranks write nothing. Results equal one process's (tested with gloo on CPU)."""
-    from fedfeat.engine.rounds import run_federated
     from fedfeat.engine.distributed import init_dist
+    from fedfeat.engine.rounds import run_federated
 
     if resume is not None:
         raise FedfeatError("--resume continues a run in one process; resume it without torchrun")
@@ -327,7 +326,9 @@ def _train_locked(
             doc = clipbench.result(store, logits, y, dataset=dataset)
             summary["clip_benchmark"] = clipbench.write(rd.partial, doc).name
         if stacked is not None:
-            summary["stacked_runs"] = stacked[3]  # made in one program with this many runs (fedfeat.runs.stack)
+            summary["stacked_runs"] = stacked[
+                3
+            ]  # made in one program with this many runs (fedfeat.runs.stack)
         if start:
             summary["resumed_after_round"] = done
         ckpt.unlink(missing_ok=True)  # a finished run needs none
@@ -422,6 +423,21 @@ def _progress_bar(cfg: RunConfig, method, key: str, done: int):
     return bar, task
 
 
+def _best_on_val(ev: list[dict]) -> dict:
+    """Round selection on the validation split (``--val-split``, or an open-vocabulary run's query validation
+    part): the evaluated round with the best ``val_acc`` (the first of ties), its ``val_acc`` and the test accuracy
+    there (``test_acc_at_best_val``: the held-out figure to report, where ``best_acc`` is selected on test)."""
+    vals = [(r["val_acc"], -i) for i, r in enumerate(ev) if r.get("val_acc") is not None]
+    if not vals:
+        return {}
+    v, i = max(vals)
+    return {
+        "best_val_acc": v,
+        "best_val_round": int(ev[-i]["round"]),
+        "test_acc_at_best_val": ev[-i]["test_acc"],
+    }
+
+
 def _summary(cfg, method, method_params, kernel, device, key, name, metrics, wall, store) -> dict:
     ev = [r for r in metrics if r["test_acc"] is not None]  # --eval-every: the evaluated rounds
     accs = [r["test_acc"] for r in ev]
@@ -442,8 +458,9 @@ def _summary(cfg, method, method_params, kernel, device, key, name, metrics, wal
         "device": str(device),
         "initial_acc": accs[0],
         "final_acc": accs[-1],
-        "best_acc": max(accs),
+        "best_acc": max(accs),  # selected on the test split (optimistic): best_val_* select on validation
         "best_round": int(ev[int(np.argmax(accs))]["round"]),
+        **_best_on_val(ev),
         **{k: last[k] for k in SUMMARY_EXTRAS if k in last},
         "bytes_up": int(sum(r["bytes_up"] for r in metrics)),
         "bytes_down": int(sum(r["bytes_down"] for r in metrics)),
