@@ -15,9 +15,26 @@ clients goes through the prompted encoder in one forward, each sample with its o
 Defaults (reference-notes "FedCoPL"): SGD lr 0.1, momentum 0.9, weight decay 0.05, batch 64, 10 local epochs, the
 cosine learning rate over ``Q x epochs`` stepped per epoch and restarting at each refresh (the code's LambdaLR with
 ``epoch = (round % Q) * 10 + e``), prompts N(0, 0.02), every client from the same initial prompts, CLIP's logit
-scale, CE on one-hot pseudo-labels. The code's quirks are not copied: its two SGD optimisers are created once and
-shared by all clients (momentum leaking from client to client; here each client starts each round afresh), and its
-server prototypes are computed and unused. Metrics: the mean of per-client accuracies on local test splits
+scale, CE on one-hot pseudo-labels. The code's server prototypes are computed and unused (not computed here).
+
+Switches where the code and the paper's protocol part (``krumpguo/FedCoPL@ed7e0e0``):
+
+* ``optimizer_state``: the code makes its two SGD optimisers (visual prompt, text context) once
+  (``methods/unsupervised_learning_new/fedcopl.py:199-213``) and trains the clients one after another in ascending
+  id on that one trainer (``methods/main_UL.py:527-545``): each client's prompts are loaded into the same
+  Parameters (``load_state_dict``, lines 529-533), so both momentum buffers -- the visual prompt's and the text
+  context's -- carry from client to client and from round to round; its LambdaLR sets the lr per epoch from the
+  epoch index alone (``sched.step(epoch=epoch)`` in ``update_lr``, fedcopl.py:77-82, called at 606 with ``epoch``
+  from line 286), so it is the same for every client.
+  ``"fresh"`` (default): every client makes its own optimisers each round (a federated client's momentum cannot
+  leave it, and the clients stay one batched program); ``"carried"``: the code's one pair
+  (``fedfeat.engine.rounds.run_carried``: the clients run one at a time in ascending id, each from the buffers the
+  previous left; ``epoch_begin`` sets the cosine lr on the optimiser the engine hands over, whose state is the
+  carried one). Reproducing the paper's table: ``optimizer_state=carried``.
+* ``fpl_select`` (``pseudo=fpl``): FPL's selection, ``"stream"`` (default, the FPL code's leaderboards) or
+  ``"topk"``; ``fedfeat.methods.pseudolabel.fpl_select``.
+
+Metrics: the mean of per-client accuracies on local test splits
 (``--local-test joint`` with ``--partition dirichlet-joint``, FedCoPL's split; each client: the global visual
 prompt and its own text context), the global test accuracy (the global visual prompt and the mean of the clients'
 text contexts: ours, the paper reports only local accuracy) and the pseudo-labels' accuracy.
@@ -58,9 +75,18 @@ class FedCoPLParams:
     aggregate: Literal["visual", "both", "text", "none"] = (
         "visual"  # the paper's partial aggregation + ablations
     )
-    pseudo: Literal["copl", "fpl"] = "copl"  # CoPL (paper); "fpl": FPL's per-class top-k (plug-and-play)
+    pseudo: Literal["copl", "fpl"] = "copl"  # CoPL (paper); "fpl": FPL's pseudo-labels (plug-and-play)
     pseudo_k: int = 16  # FPL's k
+    # FPL's selection (pseudo=fpl): "stream" the FPL code's leaderboards (menghini-neurips23-code@b387624
+    # utils/clip_pseudolabels.py:48-109), "topk" the exact per-class top-k; fedfeat.methods.pseudolabel.fpl_select
+    fpl_select: Literal["stream", "topk"] = "stream"
     truncate: bool = True  # text prompts cut after the longest EOT (fedfeat.encoders.prompt)
+    # "fresh": each client of each round makes its own two SGD optimisers (the paper's federated protocol: momentum
+    # stays on the client); "carried": one pair for every client of every round, momentum carried from client to
+    # client in ascending client id and across rounds, as the code does (krumpguo/FedCoPL@ed7e0e0
+    # methods/unsupervised_learning_new/fedcopl.py:199-213 made once, methods/main_UL.py:527-545 never reset;
+    # fedfeat.engine.rounds.run_carried, one client at a time). The reproduce rows run "carried".
+    optimizer_state: Literal["fresh", "carried"] = "fresh"
 
     def validate(self) -> None:
         if self.local_epochs < 1 or self.batch_size < 1 or self.refresh < 1 or self.pseudo_k < 1:
@@ -76,6 +102,18 @@ class FedCoPLParams:
             raise FedfeatError(
                 "n_ctx and vpt_tokens must be >= 1 and vpt_depth >= -1 (-1: all blocks but the last)"
             )
+        _check_readings(self)
+
+
+def _check_readings(p) -> None:
+    if p.fpl_select not in ("stream", "topk"):
+        raise FedfeatError(
+            f"fpl_select must be stream or topk, got {p.fpl_select!r}; e.g. --set fpl_select=topk"
+        )
+    if getattr(p, "optimizer_state", "fresh") not in ("fresh", "carried"):
+        raise FedfeatError(
+            f"optimizer_state must be fresh or carried, got {p.optimizer_state!r}; e.g. --set optimizer_state=carried"
+        )
 
 
 def select(ctx: Context, probs: torch.Tensor, seg: torch.Tensor, p, refresh_index: int) -> None:
@@ -84,7 +122,9 @@ def select(ctx: Context, probs: torch.Tensor, seg: torch.Tensor, p, refresh_inde
     selected layout's offsets and the hard labels."""
     from fedfeat.methods import pseudolabel as pl
 
-    params = {"round_index": refresh_index} if p.pseudo == "copl" else {"k": p.pseudo_k}
+    params = (
+        {"round_index": refresh_index} if p.pseudo == "copl" else {"k": p.pseudo_k, "select": p.fpl_select}
+    )
     sel = pl.make_pseudo_labeller(p.pseudo, **params)(probs, seg)
     ctx.state["sel_orig"] = sel.rows.to(ctx.device)
     ctx.state["sel_offsets"] = sel.offsets.cpu()
@@ -317,6 +357,7 @@ class CoPLLinearParams(LinearHeadParams):
         "copl"  # the pseudo-labeller (fedfeat.methods.copl / fedfeat.methods.pseudolabel)
     )
     pseudo_k: int = 16  # FPL's k
+    fpl_select: Literal["stream", "topk"] = "stream"  # FPL's selection, as FedCoPLParams.fpl_select
     # CLIP's scale (ours; FedCoPL trains its prompts at CLIP's logit scale, and the pseudo-labels are chosen at it):
     # at the linear heads' default of 1 the head drifts off its zero-shot start on pseudo-labels (synthetic
     # CIFAR-10, Dirichlet-joint 0.1, 10 clients, 20 rounds: local accuracy 45.2 vs 78.0 at 100; zero-shot 71.9)
@@ -326,6 +367,7 @@ class CoPLLinearParams(LinearHeadParams):
         super().validate()
         if self.refresh < 1 or self.pseudo_k < 1:
             raise FedfeatError(f"refresh and pseudo_k must be >= 1, got {self.refresh} and {self.pseudo_k}")
+        _check_readings(self)
 
 
 @register

@@ -3,16 +3,21 @@ FedCoPL's CoPL is to be the third).
 
 A pseudo-labeller maps class probabilities ``probs  # [N, K]`` (zero-shot or current model) of client-major samples
 (client ``i`` owns rows ``segments[i]:segments[i + 1]``) to a training set, a ``Selection``: the rows kept and, per
-row, a candidate set ``[M, K]`` bool (FPL: the one-element set of its hard label). Every statistic (top-k, quantile)
+row, a candidate set ``[M, K]`` bool (FPL: the one-element set of its hard label; FPL's stream may keep a row
+several times, once per class board it is in, each time with that class). Every statistic (top-k, quantile)
 is taken over each client's own samples -- a federated client sees only its data; ``segments=None`` is one client,
 i.e. the centralised reference. All of it is segment-vectorised: no Python loop over samples or clients (CPL's pool
-filling loops over proposal rounds, each a batched sort).
+filling loops over proposal rounds, each a batched sort; FPL's stream over stream positions, all clients at once).
 
 * **FPL** (Menghini et al., "Enhancing CLIP with CLIP: Exploring Pseudolabeling for Limited-Label Prompt Tuning",
-  NeurIPS 2023; ``BatsResearch/menghini-neurips23-code`` ``utils/clip_pseudolabels.py`` ``compute_pseudo_labels``):
-  hard zero-shot labels ``argmax p``; per class ``c`` the ``k`` samples predicted as ``c`` with the highest ``p_c``
-  (all of them if fewer; ``N_PSEUDOSHOTS`` = 16, ``methods_config/textual_fpl_config.yml``). See ``fpl_select`` for
-  where that code's streaming leaderboard differs.
+  NeurIPS 2023; ``BatsResearch/menghini-neurips23-code@b387624`` ``utils/clip_pseudolabels.py:48-109``
+  ``compute_pseudo_labels``): hard zero-shot labels ``argmax p``, ``k`` = ``N_PSEUDOSHOTS`` = 16 per class
+  (``methods_config/textual_fpl_config.yml``). Switch ``select`` (methods: ``fpl_select``): ``"stream"`` (default)
+  is the code's per-class leaderboards fed one sample at a time (``fpl_stream``: a sample that misses its predicted
+  class's full board is offered to every other class, and ``board[-1]`` is the last appended entry until the
+  board is first sorted), ``"topk"`` the exact per-class top-k of the paper's wording (``fpl_topk``; what CPL's
+  ``InstanceSelector`` pools give with one hard candidate per sample). The stream keeps a client's samples in their
+  client-major order, which is the reference's (``fpl_stream``).
 * **CPL** (Zhang et al., "Candidate Pseudolabel Learning", ICML 2024; ``vanillaer/CPL-ICML2024``
   ``utils/clip_pseudolabels.py``): candidate sets = intra-instance (cumulative-probability) ∩ inter-instance
   (class-wise quantile) selections, rows with an empty set dropped (``cpl_candidates``); then per-class pools of
@@ -189,25 +194,27 @@ def _topk_per_client_class(
 
 
 # ------------------------------------------------------------------------------------------------------- FPL
-def fpl_select(
-    probs: torch.Tensor, segments=None, k: int = N_PSEUDOSHOTS
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """FPL's pseudo-labels: ``(rows, labels)`` -- the kept rows (sorted, int64) and their hard labels (``argmax``,
-    int64). Per client and per class ``c``, the ``k`` rows predicted as ``c`` with the highest ``p_c`` (all of them
-    if fewer); ties go to the lower row (``argmax`` ties to the lower class, as torch's).
+# fpl_select readings: the FPL code's streaming leaderboards (fpl_stream) / the exact per-class top-k (fpl_topk)
+FPL_SELECT = ("stream", "topk")
 
-    Where the reference code (``BatsResearch/menghini-neurips23-code`` ``utils/clip_pseudolabels.py``
-    ``compute_pseudo_labels``, lines 48-109) differs -- it streams the images through per-class leaderboards:
-      - a sample that does not make its predicted class's board is offered to every other class in decreasing ``p``
-        (no ``break``), labelled with that class, so boards of rarely-predicted classes fill up with samples
-        predicted as something else, and one image may sit in several boards; here it is dropped;
-      - a new sample is compared with ``board[-1]``, which is the last *appended* entry (not the weakest) until the
-        board is first re-sorted, so the result depends on the file order; here it is the exact top ``k``;
-      - ties are sorted by file path (descending); here by row.
-    The CPL repo has no hard-label FPL: its ``textual_fpl`` model trains on CPL candidate sets.
+
+def _check_select(select) -> str:
+    if select not in FPL_SELECT:
+        raise FedfeatError(
+            f"fpl_select must be 'stream' (the FPL code's leaderboards) or 'topk' (the exact per-class top-k), "
+            f"got {select!r}; e.g. --set fpl_select=topk"
+        )
+    return select
+
+
+def fpl_topk(probs: torch.Tensor, segments=None, k: int = N_PSEUDOSHOTS) -> tuple[torch.Tensor, torch.Tensor]:
+    """FPL as its paper states it (``fpl_select="topk"``): per client and class ``c``, the ``k`` rows predicted as
+    ``c`` (``argmax``, ties to the lower class as torch's) with the highest ``p_c`` -- all of them if fewer; ties go
+    to the lower row. Each row at most once. The same set as CPL's ``InstanceSelector`` pools fed one hard candidate
+    per sample (FedCoPL's ``copl_select`` with a uniform quota), ties aside. Returns ``(rows, labels)``, int64.
 
     >>> p = torch.tensor([[.7, .3], [.8, .2], [.4, .6]])
-    >>> fpl_select(p, [0, 3], k=1)
+    >>> fpl_topk(p, [0, 3], k=1)
     (tensor([1, 2]), tensor([0, 1]))
     """
     _check_probs(probs)
@@ -218,6 +225,109 @@ def fpl_select(
     eligible[torch.arange(len(pred), device=pred.device), pred] = True
     rows = _topk_per_client_class(probs, eligible, seg, k).any(1).nonzero(as_tuple=True)[0]
     return rows, pred[rows]
+
+
+@torch.no_grad()
+def fpl_stream(
+    probs: torch.Tensor, segments=None, k: int = N_PSEUDOSHOTS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FPL's selection as its reference code makes it (``fpl_select="stream"``, the default):
+    ``BatsResearch/menghini-neurips23-code@b387624`` ``utils/clip_pseudolabels.py:48-109`` (``compute_pseudo_labels``;
+    the same rule in ``methods/unsupervised_learning/textual_fpl.py:171-240``, ``assign_pseudo_labels``). Each class
+    has a leaderboard of at most ``k`` (score, sample) entries, and the samples arrive one at a time, in the data
+    set's order (``dataset.filepaths``, line 55), each with its ``argmax`` class ``c``:
+
+    1. the board of ``c`` is not full: the sample joins it with score ``p_c`` (line 73-74, appended unsorted);
+    2. it is full and ``board[-1].score < p_c`` (strict): the sample joins, the board is sorted by decreasing score
+       and cut to ``k`` (lines 75-82). ``board[-1]`` is the *last appended* entry until the board is first sorted,
+       the weakest one after;
+    3. otherwise the sample is offered to **every** other class ``j`` (no ``break``, lines 83-101): it joins ``j``'s
+       board with score ``p_j`` and label ``j`` by the same two rules. So a sample can sit in several boards, each
+       with another label, and the boards of rarely predicted classes fill with samples predicted as something else.
+
+    The result: one ``(row, label)`` pair per board entry -- ``rows`` sorted (a row repeated once per board it is in,
+    by label), ``labels`` the boards' classes. Per client (``segments``), each client's rows streamed in their
+    client-major order: the code's order is its file list (centralised: the split file's, FPL ``methods/main_UL.py:114``;
+    FedCoPL's federated split shuffles each client's list once, ``krumpguo/FedCoPL`` ``methods/main_UL.py:247``, and
+    pseudo-labels with ``shuffle=False``), which the partition keeps (``dirichlet-joint`` is FedCoPL's split, its
+    shuffled order included).
+
+    Ties: the code sorts (score, file path) tuples, so equal scores rank by the path (descending); a cached store has
+    no paths, so here the later row ranks higher (the lower row is dropped first) -- the same when paths rise with
+    the rows. Inherently sequential in the stream: vectorised over clients and classes (each client's boards are its
+    own), looping over stream positions only (on the CPU: small tensor ops per position).
+
+    >>> p = torch.tensor([[.6, .4], [.55, .45]])  # row 1 misses class 0's full board, joins class 1's
+    >>> fpl_stream(p, None, k=1)
+    (tensor([0, 1]), tensor([0, 1]))
+    """
+    _check_probs(probs)
+    k = _check_k(k)
+    seg = _check_segments(segments, probs.shape[0])
+    dev = probs.device
+    p = probs.detach().cpu()
+    N, K = p.shape
+    G = len(seg) - 1
+    sizes, start = seg.diff(), seg[:-1]
+    pred = p.argmax(1)  # [N] the code's argmax (ties to the lower class)
+    by_size = torch.argsort(-sizes, stable=True)  # clients still streaming at position t: a prefix of by_size
+    active = torch.searchsorted(-sizes[by_size], -torch.arange(int(sizes.max()) if G else 0), right=False)
+    score = torch.zeros(G, K, k, dtype=p.dtype)  # [G, K, k] board entries' scores
+    row = torch.full((G, K, k), -1, dtype=torch.int64)  # their rows
+    cnt = torch.zeros(G, K, dtype=torch.int64)  # entries per board
+    last = torch.zeros(G, K, dtype=p.dtype)  # board[-1].score once the board is full (the code's comparison)
+    for t, A in enumerate(active.tolist()):
+        g = by_size[:A]
+        i = start[g] + t  # [A] the sample each streaming client offers now
+        s = p[i]  # [A, K]
+        c = pred[i]
+        ar = torch.arange(A)
+        ok = (cnt[g, c] < k) | (last[g, c] < s[ar, c])  # rules 1-2 at the predicted class
+        offer = torch.zeros(A, K, dtype=torch.bool)
+        offer[ar, c] = True
+        offer[~ok] = ~offer[~ok]  # rule 3: every other class instead
+        aa, jj = offer.nonzero(as_tuple=True)
+        gg, ss, rr = g[aa], s[aa, jj], i[aa]
+        n = cnt[gg, jj]
+        app = n < k  # rule 1: append (unsorted)
+        ga, ja = gg[app], jj[app]
+        score[ga, ja, n[app]] = ss[app]
+        row[ga, ja, n[app]] = rr[app]
+        cnt[ga, ja] += 1
+        full = app & (n == k - 1)  # the k-th entry is board[-1] until the first sort
+        last[gg[full], jj[full]] = ss[full]
+        rep = ~app & (last[gg, jj] < ss)  # rule 2: sorted insert, cut to k = drop the weakest entry
+        if bool(rep.any()):
+            gb, jb = gg[rep], jj[rep]
+            bs, br = score[gb, jb], row[gb, jb]  # [R, k]
+            weakest = bs == bs.min(1, keepdim=True).values
+            slot = torch.where(weakest, br, N).argmin(1)  # among the lowest scores, the lowest row goes
+            score[gb, jb, slot] = ss[rep]
+            row[gb, jb, slot] = rr[rep]
+            last[gb, jb] = score[gb, jb].min(1).values  # sorted now: board[-1] is the weakest
+    keep = torch.arange(k) < cnt.unsqueeze(-1)  # [G, K, k]
+    rows = row[keep]
+    labels = torch.arange(K).view(1, K, 1).expand(G, K, k)[keep]
+    o = torch.argsort(rows * K + labels)
+    return rows[o].to(dev), labels[o].to(dev)
+
+
+def fpl_select(
+    probs: torch.Tensor, segments=None, k: int = N_PSEUDOSHOTS, select: str = "stream"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FPL's pseudo-labels: ``(rows, labels)``, int64, ``rows`` sorted; ``select="stream"`` (default) is the FPL
+    code's leaderboards (``fpl_stream``; a row may repeat, once per class board it is in), ``"topk"`` the exact
+    per-class top-k of the paper's wording (``fpl_topk``; each row once). The CPL repo has no hard-label FPL: its
+    ``textual_fpl`` trains on CPL candidate sets (``vanillaer/CPL-ICML2024``
+    ``methods/unsupervised_learning_new/textual_PL.py:112-144``).
+
+    >>> p = torch.tensor([[.9, .1], [.6, .4], [.7, .3], [.65, .35], [.2, .8], [.3, .7]])
+    >>> fpl_select(p, k=2)  # row 3 misses class 0's board and takes class 1's second place from row 5
+    (tensor([0, 2, 3, 4]), tensor([0, 0, 1, 1]))
+    >>> fpl_select(p, k=2, select="topk")
+    (tensor([0, 2, 4, 5]), tensor([0, 0, 1, 1]))
+    """
+    return (fpl_stream if _check_select(select) == "stream" else fpl_topk)(probs, segments, k)
 
 
 # ------------------------------------------------------------------------------------------------------- CPL
@@ -392,7 +502,9 @@ def cc_loss(logits: torch.Tensor, cand: torch.Tensor, mask: torch.Tensor | None 
 class Selection:
     """A pseudo-labelled training set: the kept rows of the input, client-major (sorted), and their targets."""
 
-    rows: torch.Tensor  # [M] int64, sorted rows of probs
+    rows: (
+        torch.Tensor
+    )  # [M] int64, sorted rows of probs (FPL's stream repeats a row once per class board it is in)
     offsets: torch.Tensor  # [clients + 1] int64 offsets of the kept rows
     candidates: torch.Tensor  # [M, K] bool target set per row (FPL: one-hot of the label); loss: cc_loss
     labels: torch.Tensor | None = (
@@ -414,13 +526,19 @@ def _selection(rows: torch.Tensor, seg: torch.Tensor, cand: torch.Tensor, labels
 
 @dataclass(frozen=True)
 class FPL:
-    """FPL (``fpl_select``) as a ``PseudoLabeller``."""
+    """FPL (``fpl_select``) as a ``PseudoLabeller``; ``FPL(k, select="stream" | "topk")``."""
 
     k: int = N_PSEUDOSHOTS  # N_PSEUDOSHOTS, reference code (methods_config/textual_fpl_config.yml)
+    # "stream": the FPL code's leaderboards (menghini-neurips23-code utils/clip_pseudolabels.py:48-109), the default;
+    # "topk": the exact per-class top-k (the paper's "top-K most confident per class"); see fpl_select
+    select: str = "stream"
     name = "fpl"
 
+    def __post_init__(self) -> None:
+        _check_select(self.select)
+
     def __call__(self, probs: torch.Tensor, segments=None) -> Selection:
-        rows, labels = fpl_select(probs, segments, self.k)
+        rows, labels = fpl_select(probs, segments, self.k, self.select)
         cand = torch.zeros(len(rows), probs.shape[1], dtype=torch.bool, device=probs.device)
         cand[torch.arange(len(rows), device=probs.device), labels] = True
         return _selection(rows, _check_segments(segments, probs.shape[0]), cand, labels)
@@ -466,6 +584,7 @@ __all__ = [
     "CPL_DEFAULTS",
     "CPL_GENERAL",
     "FPL",
+    "FPL_SELECT",
     "N_PSEUDOSHOTS",
     "PRESETS",
     "PSEUDO_LABELLERS",
@@ -477,6 +596,8 @@ __all__ = [
     "cpl_preset",
     "cpl_select",
     "fpl_select",
+    "fpl_stream",
+    "fpl_topk",
     "inter_instance",
     "intra_instance",
     "make_pseudo_labeller",
