@@ -204,7 +204,7 @@ CASES = [
     (
         "fed-mp",
         True,
-        {"weights": "linear", "residual_draw": "per-client", "combine": "sum", "pseudo_label": "prediction"},
+        {"weights": "linear", "residual_draw": "per-client", "combine": "cos", "pseudo_label": "prediction"},
     ),
     ("fed-mp", True, {"adaptive": "false", "prototyping": "false", "normalize": "true"}),
 ]

@@ -51,6 +51,11 @@ def register(app: typer.Typer) -> None:
             help="Open vocabulary: each client's train/validation split: paper (2 of 10 shots per class, default), "
             "code (Fed-MP's 80/20 permutation) or none.",
         ),
+        class_order: Optional[str] = typer.Option(
+            None,
+            help="disjoint-classes' class order: preset (default with --preset: the store's classes matched by name "
+            "to the preset's list and drawn in the reference code's order) or store (the store's class ids).",
+        ),
         query_val: Optional[str] = typer.Option(
             None,
             help="Open vocabulary: the novel-class query set: paper (20 % validation / 80 % test, default) or code "
@@ -155,6 +160,7 @@ def register(app: typer.Typer) -> None:
             "preset": preset,
             "local_val": local_val,
             "query_val": query_val,
+            "class_order": class_order,
             "participation": participation,
             "rounds": rounds,
             "seed": seed,

@@ -1,10 +1,18 @@
 """FedCLIP and Fed-MP (Zeng et al., NAACL 2024, "Open-Vocabulary Federated Learning with Multimodal Prototyping").
 
+Reference code: ``huiminzeng/Fed-MP@a40e585``; the ``file:line`` cites below are to it.
+
 **fedclip** (Fed-MP's FedCLIP baseline; Lu et al. 2023): a visual adapter ``f_A = softmax(Linear(D, D) -> tanh ->
 Linear(D, D))`` re-weights the image feature, ``z' = normalise(f_A(z) ⊙ z)`` (paper Eq. 3 and the reference code
 ``nets/model.py``; Algorithm 1 line 9 writes ``z + f_A(z)``: ``adapter="sum"``), trained with CLIP's symmetric in-batch
-loss (Eq. 5) against each sample's class prompt at CLIP's own logit scale, Adam (the code's ``train.py``), and
-averaged by FedAvg weighted by client size. It also runs in the closed setting (vocabulary = all classes).
+loss (Eq. 5) against each sample's class prompt at CLIP's own logit scale, and averaged by FedAvg weighted by client
+size. It also runs in the closed setting (vocabulary = all classes).
+
+*Optimiser* (both methods). The paper (Appendix A) says AdamW at lr 1e-5; the code (``client_utils.py:184-185``,
+``train.py:37-42``) runs ``torch.optim.Adam`` at lr 5e-5, betas (0.9, 0.98), eps 1e-6 and weight decay 0.2 (L2, added
+to the gradient). Default: the code's (``optimizer="adam"``); ``--set optimizer=adamw lr=1e-5`` is the paper's reading
+(``torch.optim.AdamW``'s decoupled decay, ``fedfeat.engine.optim.BatchedAdamW``, with ``weight_decay`` as set: the paper
+gives none). 2 local epochs of batch 18 (``train.py:28-29``), 2 rounds (``train.py:27``, the run's ``--rounds``).
 
 **fed-mp** adds three pieces (open-vocabulary runs only: ``--partition disjoint-classes``):
 
@@ -23,11 +31,14 @@ averaged by FedAvg weighted by client size. It also runs in the closed setting (
 * *Multimodal prototyping* at test time (Eqs. 10-13, Appendix A, the code's ``eval.py`` / ``utils/core.py``): the
   query set streams in a shuffled order (seeded by (seed, round): each evaluation starts afresh) in batches of 18.
   A batch is predicted with the text prototypes (frozen prompts, no residual) until every class has a visual
-  prototype, then by Eq. 12, ``cos(z', p_c) + cos(z', q̄_c)`` (the code's ``z'·(p_c + q̄_c)``, an un-normalised
-  centroid: ``combine="sum"``), with the centroids of the batches before it. After the batch, every sample whose
-  entropy is below ``ε · ln N_test`` joins its pseudo-class's running centroid. Reading of ε: a fraction of the
-  maximum entropy ``ln N_test`` (the code's ``get_threshold`` and Appendix A's "x % of the maximum entropy"); 0.1
-  is the code's default (Appendix A uses 0.2 for Caltech / UCF / Flowers, 0.3 for FGVC / Food, 0.1 for Cars). The
+  prototype, then with the centroids of the batches before it by the code's score ``z'·(p_c + q̄_c)`` (default
+  ``combine="sum"``: ``eval.py:149-154`` with ``utils/core.py:19``, the text prototype plus the un-normalised running
+  mean of the unit features), or the paper's Eq. 12, ``cos(z', p_c) + cos(z', q̄_c)`` (``combine="cos"``). After the
+  batch, every sample whose entropy is below ``ε · ln N_test`` joins its pseudo-class's running centroid. Reading of
+  ε (``uncertainty``): a fraction of the maximum entropy ``ln N_test`` (the code's ``get_threshold``,
+  ``utils/core.py:23-28``, and Appendix A's "x % of the maximum entropy"); 0.1 is the code's default
+  (``eval.py:43``); Appendix A uses 0.2 for Caltech / UCF / Flowers, 0.3 for FGVC / Food, 0.1 for Cars, which
+  ``--preset`` applies (``fedfeat.partition.openvocab.PRESETS``; ``--set uncertainty=...`` wins). The
   pseudo-label and its entropy are the adapted CLIP's text-only prediction (Eq. 11, Algorithm 2 line 8: "the
   original pseudo prediction"); the code uses the batch's prediction itself (``pseudo_label="prediction"``). The
   entropy is computed stably (``p log p`` as 0 where ``p`` underflows; the code's NaN there drops the sample).
@@ -35,8 +46,17 @@ averaged by FedAvg weighted by client size. It also runs in the closed setting (
 
 Image features reach the adapter unnormalised by default (``normalize=False``: the code feeds
 ``get_image_features``, the projected but unnormalised CLIP embedding) and are normalised after the product.
-The code trains under fp16 autocast; here the store's dtype (float32) is used. The code's local model selection
-is broken (it always keeps the final epoch), so the final local adapter is uploaded, without validation.
+The code trains under fp16 autocast; here the store's dtype (float32) is used.
+
+*Local model selection* (fed-mp). The code validates every local epoch on the client's held-out shots and means to
+keep the best epoch's adapter, but ``client_utils.py:105`` resets ``adapter_state_dict = None`` inside the epoch loop,
+so ``:113-117`` always returns the final epoch's: the default, ``local_select="final"``, uploads the final local
+adapter. ``local_select="best-val"`` is the intended reading: after every local epoch each client scores its adapter
+on its validation shots (``ctx.open_vocab.val_x``, the ``--local-val`` split) over its own classes against its
+perturbed prompts ``t_c + α δ_c`` (``client_utils.py:121-167``), and uploads the adapter of the first epoch with the
+best accuracy (``acc > best_acc``, ``best_acc`` starting at 0: an all-zero client keeps its final epoch,
+``:106, 113``); the residuals are always the final ones (the code keeps only ``img_adap``, ``:109-111``). All
+clients are scored at once (``[n, V, D]`` batches).
 """
 
 from __future__ import annotations
@@ -50,7 +70,7 @@ import torch.nn.functional as F
 
 from fedfeat.engine import rng
 from fedfeat.engine.context import Batch, Context, RoundPlan, fedavg, masked_mean
-from fedfeat.engine.optim import BatchedAdam
+from fedfeat.engine.optim import BatchedAdam, BatchedAdamW
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import Method, register
 
@@ -73,6 +93,9 @@ class FedCLIPParams:
     beta2: float = 0.98  # Fed-MP train.py --beta2
     eps: float = 1e-6  # Fed-MP train.py --eps
     weight_decay: float = 0.2  # Fed-MP train.py --weight_decay; torch.optim.Adam's L2 (added to the gradient)
+    optimizer: Literal["adam", "adamw"] = (
+        "adam"  # code: torch.optim.Adam (client_utils.py:184); "adamw": paper App. A (decoupled decay)
+    )
     adapter: Literal["product", "sum"] = (
         "product"  # paper Eq. 3 and code: f_A(z) ⊙ z; "sum": Algorithm 1 line 9
     )
@@ -147,7 +170,7 @@ def prototype_stream(
     scale: float,
     batch: int,
     threshold: float,
-    combine: str = "cos",
+    combine: str = "sum",
     pseudo_label: str = "text",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Multimodal prototyping over one query stream (Eqs. 10-13): ``z  # [N, D]`` adapted unit features, ``text  # [K, D]``
@@ -155,7 +178,7 @@ def prototype_stream(
     final ``centroids  # [K, D]`` (0 where empty) and ``counts  # [K]``.
 
     Batch by batch: predict with the text prototypes while some class has no visual sample, else by
-    ``cos(z, p) + cos(z, q̄)`` (``combine="cos"``, Eq. 12) or ``z·(p + q̄)`` (``"sum"``, the code); then every sample
+    ``z·(p + q̄)`` (``combine="sum"``, the code) or ``cos(z, p) + cos(z, q̄)`` (``"cos"``, Eq. 12); then every sample
     whose entropy (of ``scale``· the pseudo-label scores) is below ``threshold`` is added to its pseudo-class's
     running centroid (``q̄ = Σ q / |Q|``, Eq. 13 / Appendix A). No host sync per batch."""
     K = text.shape[0]
@@ -197,7 +220,8 @@ class FedCLIP(Method):
 
     def make_optimizer(self, rnd: int):
         p = self.p
-        return BatchedAdam(lr=p.lr, betas=(p.beta1, p.beta2), eps=p.eps, weight_decay=p.weight_decay)
+        opt = BatchedAdamW if p.optimizer == "adamw" else BatchedAdam
+        return opt(lr=p.lr, betas=(p.beta1, p.beta2), eps=p.eps, weight_decay=p.weight_decay)
 
     def batch_text(self, ctx: Context, params: dict, batch: Batch) -> torch.Tensor:
         """``[n, B, D]`` each sample's (unit) class text feature."""
@@ -226,9 +250,12 @@ class FedMPParams(FedCLIPParams):
         True  # multimodal prototyping (paper §4.4); False = text prototypes (Table 2 "w/o M.P.")
     )
     uncertainty: float = 0.1  # ε: threshold ε · ln N_test (eval.py --uncertainty 0.1; App. A: 0.1 to 0.3)
-    combine: Literal["cos", "sum"] = "cos"  # paper Eq. 12 cos(z,p) + cos(z,q̄); "sum": code's z·(p + q̄)
+    combine: Literal["sum", "cos"] = "sum"  # code z·(p + q̄) (eval.py:153, core.py:19); "cos": paper Eq. 12
     pseudo_label: Literal["text", "prediction"] = "text"  # paper Eq. 11 text-only; "prediction": the code's
     test_batch_size: int = 18  # query stream batch (eval.py --batch_size 18)
+    local_select: Literal["final", "best-val"] = (
+        "final"  # code's effective (client_utils.py:105, 113); "best-val": its intent, best local-val epoch
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -254,6 +281,11 @@ class FedMP(FedCLIP):
                 "(fedclip runs in either setting)"
             )
         ctx.state["eval_round"] = 0  # the round whose weights the next evaluation sees (its query order)
+        if self.p.local_select == "best-val" and len(ctx.open_vocab.val_y) == 0:
+            raise FedfeatError(
+                "fed-mp local_select=best-val scores each local epoch on the clients' validation shots, and this "
+                "run has none; run with --local-val paper or code, or --set local_select=final"
+            )
 
     def text_raw(self, ctx: Context) -> torch.Tensor:
         return ctx.text_raw if ctx.text_raw is not None else ctx.text
@@ -271,6 +303,73 @@ class FedMP(FedCLIP):
             return {"res": self.residual_block(ctx, Kc).expand(plan.m, Kc, ctx.D).contiguous()}
         blocks = [self.residual_block(ctx, Kc, plan.rnd, int(c)) for c in plan.clients]
         return {"res": torch.stack(blocks)}
+
+    # ---- local model selection (local_select="best-val")
+    def local_begin(self, ctx: Context, plan: RoundPlan, glob: dict) -> dict:
+        """For ``best-val``: the plan's clients' validation shots ``[m, V, D]`` (mask ``[m, V]``, labels as indices
+        into the client's class list), their class ids ``[m, Kc]`` (mask), and the best score so far."""
+        if self.p.local_select != "best-val":
+            return {}
+        ov = ctx.open_vocab
+        dev, m = ctx.device, plan.m
+        offs = ov.val_offsets.tolist()
+        rows = [torch.arange(offs[int(c)], offs[int(c) + 1]) for c in plan.clients]
+        V = max(1, max(len(r) for r in rows))
+        Kc = max(len(c) for c in ov.client_classes)
+        x = torch.zeros(m, V, ctx.D, dtype=ov.val_x.dtype, device=dev)
+        y = torch.zeros(m, V, dtype=torch.int64, device=dev)
+        vmask = torch.zeros(m, V, dtype=torch.bool, device=dev)
+        ids = torch.zeros(m, Kc, dtype=torch.int64, device=dev)
+        cmask = torch.zeros(m, Kc, dtype=torch.bool, device=dev)
+        for j, (c, r) in enumerate(zip(plan.clients.tolist(), rows)):  # once per round, not per step
+            cls = ov.client_classes[c].to(dev)
+            ids[j, : len(cls)], cmask[j, : len(cls)] = cls, True
+            r = r.to(ov.val_x.device)
+            x[j, : len(r)], vmask[j, : len(r)] = ov.val_x[r].to(dev), True
+            y[j, : len(r)] = (ov.val_y[r].to(dev).unsqueeze(1) == cls.unsqueeze(0)).to(torch.int64).argmax(1)
+        acc0 = torch.zeros(m, dtype=torch.float64, device=dev)
+        return {"val": (x, y, vmask, ids, cmask), "best_acc": acc0, "best": None}
+
+    @torch.no_grad()
+    def local_val_acc(self, ctx: Context, params: dict, local: dict, n: int) -> torch.Tensor:
+        """``[n]`` each client's accuracy on its validation shots: argmax over its own classes of
+        ``z' · normalise(t_c + α δ_c)`` (the code's ``validate``, ``client_utils.py:121-167``)."""
+        x, y, vmask, ids, cmask = (t[:n] for t in local["val"])
+        z = adapt({k: params[k][:n] for k in ADAPTER}, x, self.p.adapter)  # [n, V, D]
+        res = params["res"][:n, : ids.shape[1]]
+        t = F.normalize(self.text_raw(ctx)[ids] + self.p.alpha * res, dim=-1)  # [n, Kc, D]
+        logits = torch.bmm(z, t.transpose(1, 2)).masked_fill(~cmask.unsqueeze(1), -torch.inf)
+        hit = (logits.argmax(-1) == y) & vmask
+        return hit.sum(1).double() / vmask.sum(1).clamp_min(1).double()
+
+    def keep_if_better(self, ctx: Context, params: dict, local: dict, n: int) -> None:
+        """After a local epoch: clients ``[:n]`` whose adapter scores above their best so far keep a copy of it."""
+        acc = self.local_val_acc(ctx, params, local, n)
+        if local["best"] is None:
+            # all m rows: a row never scored keeps best_acc 0, and so its final adapter
+            m = local["best_acc"].shape[0]
+            local["best"] = {k: params[k].new_zeros((m, *params[k].shape[1:])) for k in ADAPTER}
+        better = acc > local["best_acc"][:n]
+        for k in ADAPTER:
+            b = local["best"][k][:n]
+            b.copy_(torch.where(better.view(-1, *[1] * (b.dim() - 1)), params[k][:n].detach(), b))
+        local["best_acc"][:n] = torch.where(better, acc, local["best_acc"][:n])
+
+    def step_loss(self, ctx, params, batch, local):
+        if "val" in local and batch.step == 0 and batch.epoch > 0:  # params as the previous epoch left them
+            self.keep_if_better(ctx, params, local, batch.n)
+        return super().step_loss(ctx, params, batch, local)
+
+    @torch.no_grad()
+    def local_end(self, ctx, plan, local, params):
+        if "val" not in local or local["best"] is None:  # final, or one local epoch: nothing to choose
+            return
+        acc = self.local_val_acc(ctx, params, local, plan.m)
+        final = (acc > local["best_acc"]) | (local["best_acc"] <= 0)  # code: no better epoch -> the final one
+        for k in ADAPTER:
+            params[k].copy_(
+                torch.where(final.view(-1, *[1] * (params[k].dim() - 1)), params[k], local["best"][k])
+            )
 
     def batch_text(self, ctx, params, batch):
         li = ctx.open_vocab.local_index[batch.pos]  # [n, B] residual row of each sample

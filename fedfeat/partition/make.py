@@ -61,6 +61,8 @@ def make_partition(
     shots: int | None = None,
     n_classes: int | None = None,
     test_labels=None,
+    class_order=None,
+    class_order_name: str | None = None,
 ) -> Partition:
     """Partition a split by name; the one entry point the CLI and the store use.
 
@@ -74,6 +76,8 @@ def make_partition(
     Dirichlet). Default seed: ``default_seed(scheme, imbalance_factor)`` (FedNTD's 19940817 for iid / shard /
     dirichlet, CLIP2FL's 7 for dirichlet-equal and for anything with a long tail, 0 for disjoint-classes).
     ``shards`` defaults to 2 (FedNTD). ``n_classes`` defaults to ``labels.max() + 1``.
+    ``class_order`` (disjoint-classes only): the class list the draws index, a permutation of the class ids
+    (``disjoint_classes``' ``order``), recorded under ``class_order_name`` (its partition key says ``-o<name>``).
 
     >>> p = make_partition(np.repeat(np.arange(10), 100), "shard", clients=10)
     >>> partition_key(p), p.sizes().tolist()[:3]
@@ -102,6 +106,11 @@ def make_partition(
         )
     if scheme == "disjoint-classes" and shots is None:
         raise FedfeatError("scheme 'disjoint-classes' needs shots; pass the samples per class, e.g. shots=10")
+    if class_order is not None and (scheme != "disjoint-classes" or not class_order_name):
+        raise FedfeatError(
+            "a class order applies to scheme 'disjoint-classes' only and needs a name for the partition key; "
+            "drop it or pass class_order_name"
+        )
     n_cls = _n_classes(labels, n_classes)
     if seed is None:
         seed = default_seed(scheme, imbalance_factor)
@@ -126,8 +135,11 @@ def make_partition(
         parts, tparts = dirichlet_joint(sub, _labels(test_labels), clients, alpha, seed, n_classes=n_cls)
         extra["test_clients"] = [t.tolist() for t in tparts]
     else:
-        parts, novel = disjoint_classes(sub, clients, shots, seed, n_classes=n_cls)
+        parts, novel = disjoint_classes(sub, clients, shots, seed, n_classes=n_cls, order=class_order)
         extra["novel_classes"] = novel.tolist()
+        if class_order is not None:
+            extra["class_order"] = str(class_order_name)
+            extra["class_order_ids"] = np.asarray(class_order).tolist()
     parts = [kept[p] for p in parts]
     empty = [i for i, p in enumerate(parts) if len(p) == 0]
     if empty:

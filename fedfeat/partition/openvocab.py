@@ -3,6 +3,13 @@
 ``--partition disjoint-classes --shots n`` (``fedfeat.partition.schemes.disjoint_classes``: ``C // (clients + 1)`` classes
 per client, ``n`` shots each; the classes no client drew are the *novel* classes) makes a run open-vocabulary:
 
+* **Class order.** The draws pick positions in a class list; the reference code's is its own (sorted folder names;
+  Flowers' labels 1..102; the sorted Cars / FGVC names), which a store's label order need not follow (Flowers read
+  as an ImageFolder sorts "1", "10", "100", ...: then 2 of the 12 novel classes are the paper's). With ``--preset``,
+  the run's ``class_order`` is ``"preset"``: the store's classes are matched by name (``normalise_class_name``) to
+  ``classlists/<preset>.txt`` and drawn in that order (a preset class the store lacks is an error);
+  ``--class-order store`` draws in the store's order (synthetic stand-ins, whose classes are ``class_000`` ...). The
+  partition key of a preset-ordered draw ends ``-o<preset>``. ``--preset`` also sets fed-mp's ε (``epsilon``).
 * **Local train / validation.** Each client's shots are split (``local_val``):
   ``"paper"`` (default; Fed-MP §4: 10 shots of which 2 for validation): the last ``round(0.2 n)`` shots of each of
   its classes (the shots are already a random draw) are its validation set; ``"code"`` (Fed-MP's
@@ -19,6 +26,7 @@ per client, ``n`` shots each; the classes no client drew are the *novel* classes
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,17 +35,27 @@ import torch
 from fedfeat.errors import FedfeatError
 
 # Fed-MP's datasets (``dataset/utils.py``): client i draws its classes with ``np.random.seed(i + offset)``; in
-# fedfeat's ``disjoint_classes`` that is ``partition_seed = offset - 1``. Class names as the reference code forms
-# them (give them to ``fedfeat encode`` as the dataset's class-name file where the folder names differ).
+# fedfeat's ``disjoint_classes`` that is ``partition_seed = offset - 1``. ``epsilon``: the confidence threshold ε of
+# multimodal prototyping as a fraction of the maximum entropy, per dataset (paper Appendix A, "Hyperparameters":
+# 20 % on Caltech101 / UCF101 / Flower102, 30 % on FGVC / Food101, 10 % on StanfordCars; the code has no per-dataset
+# value: eval.py's --uncertainty defaults to 0.1 and its README gives no run scripts). ``names``: the class names as
+# the reference code forms them; the class order it draws from is ``classlists/<preset>.txt`` (``preset_class_names``).
 PRESETS = {
-    "caltech101": {"seed": 0, "classes": 102, "names": "folder names as they are (BACKGROUND_Google and Faces_easy kept)"},
-    "food101": {"seed": 0, "classes": 101, "names": "folder names as they are (apple_pie)"},
-    "flowers102": {"seed": 0, "classes": 102, "names": "flower_attribute_dict's 102 names (flower_data/train)"},
-    "ucf101": {"seed": -1, "classes": 101, "names": "folder names with CamelCase split into words"},
-    "fgvc-aircraft": {"seed": -1, "classes": 70, "names": "family strings (images_family_*.txt)"},
-    "stanford-cars": {"seed": 1, "classes": 196, "names": "cars_annos.mat class names"},
+    "caltech101": {"seed": 0, "classes": 102, "epsilon": 0.2, "names": "folder names as they are (BACKGROUND_Google and Faces_easy kept)"},
+    "food101": {"seed": 0, "classes": 101, "epsilon": 0.3, "names": "folder names as they are (apple_pie)"},
+    "flowers102": {"seed": 0, "classes": 102, "epsilon": 0.2, "names": "flower_attribute_dict's 102 names (flower_data/train)"},
+    "ucf101": {"seed": -1, "classes": 101, "epsilon": 0.2, "names": "folder names with CamelCase split into words"},
+    "fgvc-aircraft": {"seed": -1, "classes": 70, "epsilon": 0.3, "names": "family strings (images_family_*.txt)"},
+    "stanford-cars": {"seed": 1, "classes": 196, "epsilon": 0.1, "names": "cars_annos.mat class names"},
 }  # fmt: skip
 PRESET_RUN = {"partition": "disjoint-classes", "shots": 10, "clients": 10, "participation": 1.0, "rounds": 2}
+# the reference code's --dataset names (train.py) and other spellings -> preset
+_PRESET_ALIASES = {"caltech": "caltech101", "food": "food101", "flower102": "flowers102", "flowers": "flowers102",
+                   "oxfordflowers": "flowers102", "ucf": "ucf101", "fgvc": "fgvc-aircraft", "fgvcaircraft": "fgvc-aircraft",
+                   "aircraft": "fgvc-aircraft", "cars": "stanford-cars", "stanfordcars": "stanford-cars"}  # fmt: skip
+# which class order a disjoint-classes partition draws from: "preset" (the preset's list, matched to the store's
+# classes by name) or "store" (the store's class ids, e.g. synthetic stand-ins whose classes are class_000 ...)
+CLASS_ORDERS = ("store", "preset")
 
 LOCAL_VAL = ("paper", "code", "none")
 QUERY_VAL = ("paper", "code")
@@ -62,6 +80,81 @@ class OpenVocab:
     qval_y: torch.Tensor  # [Nqv]
     base_x: torch.Tensor  # [Nb, D] test images of the base classes (base accuracy)
     base_y: torch.Tensor  # [Nb]
+
+
+def preset_name(dataset: str) -> str:
+    """The preset of a dataset name in any common spelling (``"flower102"``, ``"FGVC"``, ``"stanford_cars"``)."""
+    if dataset in PRESETS:
+        return dataset
+    key = re.sub(r"[^a-z0-9]", "", (dataset or "").lower())
+    name = _PRESET_ALIASES.get(key) or next((p for p in PRESETS if re.sub(r"[^a-z0-9]", "", p) == key), None)
+    if name is None:
+        raise FedfeatError(f"no Fed-MP preset for dataset {dataset!r}; known presets: {', '.join(PRESETS)}")
+    return name
+
+
+def fedmp_preset_params(dataset: str) -> dict:
+    """fed-mp's per-dataset hyperparameters (string values, as ``--set`` takes them): the confidence threshold ε,
+    the ``uncertainty`` param (Fed-MP Appendix A).
+
+    >>> fedmp_preset_params("flowers102"), fedmp_preset_params("fgvc")
+    ({'uncertainty': '0.2'}, {'uncertainty': '0.3'})
+    """
+    return {"uncertainty": str(PRESETS[preset_name(dataset)]["epsilon"])}
+
+
+def normalise_class_name(name: str) -> str:
+    """The form class names are compared in: case-folded, every ``_`` and white space removed, so that a folder name
+    (``Faces_easy``, ``ApplyEyeMakeup``), its prompt form (``apple pie``, ``Apply Eye Makeup``) and CoOp's
+    (``Apply_Eye_Makeup``) are one name.
+
+    >>> normalise_class_name("Apply_Eye Makeup") == normalise_class_name("ApplyEyeMakeup")
+    True
+    """
+    return re.sub(r"[\s_]+", "", str(name)).casefold()
+
+
+def preset_class_names(preset: str) -> list[str]:
+    """The preset's classes in the order the reference code draws them from (package data
+    ``fedfeat/partition/classlists/<preset>.txt``; its header cites the source)."""
+    from importlib.resources import files
+
+    text = files("fedfeat.partition").joinpath("classlists", f"{preset}.txt").read_text(encoding="utf-8")
+    return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def preset_class_order(preset: str, store_names: list[str]) -> np.ndarray:
+    """``order  # [C]`` int64: the store's class id of each of the preset's classes, in the preset's order (names
+    compared by ``normalise_class_name``); a preset class the store lacks is a one-line ``FedfeatError``."""
+    want = preset_class_names(preset)
+    ids: dict[str, int] = {}
+    for i, n in enumerate(store_names):
+        if ids.setdefault(normalise_class_name(n), i) != i:
+            raise FedfeatError(
+                f"the store's classes {store_names[ids[normalise_class_name(n)]]!r} and {n!r} are one name to preset "
+                f"{preset} (case, '_' and spaces ignored); rename one, or pass --class-order store"
+            )
+    missing = [n for n in want if normalise_class_name(n) not in ids]
+    if missing:
+        raise FedfeatError(
+            f"preset {preset}: {len(missing)} of its {len(want)} classes are not in the store (first: {missing[0]!r}; "
+            f"case, '_' and spaces ignored); encode the store with the class names of "
+            f"fedfeat/partition/classlists/{preset}.txt, or pass --class-order store to draw in the store's order"
+        )
+    return np.array([ids[normalise_class_name(n)] for n in want], dtype=np.int64)
+
+
+def class_order_mode(class_order: str | None, preset: str | None) -> str:
+    """The class order a run draws its disjoint classes in: as set, else ``"preset"`` with a preset, else
+    ``"store"``."""
+    mode = class_order or ("preset" if preset is not None else "store")
+    if mode not in CLASS_ORDERS:
+        raise FedfeatError(f"--class-order must be one of {', '.join(CLASS_ORDERS)}, got {class_order!r}")
+    if mode == "preset" and preset is None:
+        raise FedfeatError(
+            "--class-order preset needs --preset (the preset's class list); or drop --class-order"
+        )
+    return mode
 
 
 def check_modes(local_val: str, query_val: str) -> None:

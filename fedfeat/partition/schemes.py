@@ -520,7 +520,12 @@ def longtail(
 
 
 def disjoint_classes(
-    labels, n_clients: int, shots: int, seed: int = FEDMP_SEED, n_classes: int | None = None
+    labels,
+    n_clients: int,
+    shots: int,
+    seed: int = FEDMP_SEED,
+    n_classes: int | None = None,
+    order=None,
 ) -> tuple[list[np.ndarray], np.ndarray]:
     """Fed-MP's base/novel split: disjoint classes per client, ``shots`` samples of each.
 
@@ -532,6 +537,11 @@ def disjoint_classes(
     ``shots`` of its positions (dataset order) without replacement; a class with fewer than ``shots`` samples
     gives all of them (Fed-MP's UCF fallback). Returns (clients, novel class ids): the classes no client drew,
     sorted; they are the unseen test classes.
+
+    The draws pick *positions* in a class list: the code's own list (sorted folder names, Flowers' 1..102, ...).
+    ``order`` (a permutation of the class ids, default ``0 .. C-1``) is that list: position j is class
+    ``order[j]`` (``fedfeat.partition.openvocab.preset_class_order`` makes it from a preset's class names), so
+    that the same classes are drawn whatever order a store's labels are in.
     Drops: every sample of a novel class and all but ``shots`` of each client class.
     """
     labels = _labels(labels)
@@ -539,6 +549,14 @@ def disjoint_classes(
     n_clients = _int("clients", n_clients, 1, "use at least one client")
     shots = _int("shots", shots, 1, "pass the samples per class, e.g. shots=10")
     seed = _seed(seed, lowest=-1, highest=_SEED_MAX - n_clients)
+    if order is None:
+        order = np.arange(n_cls, dtype=np.int64)
+    order = np.asarray(order)
+    if order.shape != (n_cls,) or not np.array_equal(np.sort(order), np.arange(n_cls)):
+        raise FedfeatError(
+            f"disjoint-classes: the class order must be a permutation of the {n_cls} class ids (got shape "
+            f"{order.shape}); pass each class id once"
+        )
     per_client = n_cls // (n_clients + 1)
     if per_client < 1:
         raise FedfeatError(
@@ -546,15 +564,15 @@ def disjoint_classes(
             f"classes; use at most {n_cls - 1} clients"
         )
     per_class = _by_class(labels, n_cls)
-    remaining = list(range(n_cls))
+    remaining = list(range(n_cls))  # positions in the class list
     clients = []
     for i in range(n_clients):
         rs = np.random.RandomState(seed + i + 1)
         drawn = rs.choice(remaining, per_client, replace=False).tolist()
         remaining = sorted(set(remaining) - set(drawn))
         picked = []
-        for c in drawn:
-            pool = per_class[c]
+        for j in drawn:
+            pool = per_class[int(order[j])]
             picked.append(rs.choice(pool, shots, replace=False) if len(pool) >= shots else pool)
         clients.append(np.concatenate(picked).astype(np.int64))
-    return clients, np.array(remaining, dtype=np.int64)
+    return clients, np.sort(order[remaining]).astype(np.int64)

@@ -50,10 +50,13 @@ def store_partition(
     seed: int | None = None,
     split: str = "train",
     save: bool = True,
+    class_order=None,
+    class_order_name: str | None = None,
 ):
     """Make (or load, when already stored) a partition of a store's split. Returns ``(key, Partition)``.
 
     Rows with label -1 (images skipped as unreadable at encode time) are never given to a client.
+    ``class_order`` / ``class_order_name``: disjoint-classes' class list (``make_partition``).
     """
     if scheme not in P.SCHEMES:
         raise FedfeatError(f"unknown partition scheme '{scheme}'; choose one of: {', '.join(P.SCHEMES)}")
@@ -76,6 +79,8 @@ def store_partition(
         shots=shots,
         n_classes=st.n_classes,
         test_labels=_test_labels(st) if scheme == "dirichlet-joint" else None,
+        class_order=class_order,
+        class_order_name=class_order_name,
     )
     if len(valid) != len(labels):  # map positions among valid rows back to split rows
         part = P.Partition(part.scheme, part.params, [valid[c] for c in part.clients])

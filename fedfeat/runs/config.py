@@ -52,6 +52,7 @@ DEFAULTS = {
     "local_test": None,
     "val_split": None,
     "eval_every": 1,
+    "class_order": None,
 }
 TYPES = {
     "alpha": float,
@@ -65,6 +66,7 @@ TYPES = {
     "shots": int,
     "eval_every": int,
     "val_split": float,
+    "class_order": str,
 }  # every other key is a string
 # settings that do not enter a run's identity hash (the name shows them, or they say where, not what)
 NOT_IN_HASH = ("method", "store", "out", "name", "seed", "store_fingerprint", "params", "pretrained")
@@ -101,6 +103,7 @@ class RunConfig:
     eval_every: int = DEFAULTS["eval_every"]  # evaluate at round 0, every N-th round and the last
     local_test: str | None = None  # none | proportional | joint: per-client test splits (FedCoPL)
     val_split: float | None = None  # fraction of each test class held out for validation (val_acc; report --best)
+    class_order: str | None = None  # disjoint-classes' class list: preset (default with --preset) | store
     pretrained: str | None = (
         None  # prompt methods: where the store's checkpoint is (default: where encode read it)
     )
@@ -189,6 +192,10 @@ def resolve_config(cli: dict, config_file: Path | None, sets: list[str] | None) 
         merged["store_fingerprint"] = None
     merged.update(given)
     params.update(parse_sets(sets))
+    if merged.get("preset") is not None and merged.get("method") == "fed-mp" and "uncertainty" not in params:
+        from fedfeat.partition.openvocab import fedmp_preset_params
+
+        params.update(fedmp_preset_params(merged["preset"]))  # Fed-MP App. A's ε; --set uncertainty=... wins
     cfg = RunConfig(**merged, params=params)
     validate_config(cfg)
     return cfg
@@ -223,6 +230,9 @@ def validate_config(cfg: RunConfig) -> None:
     from fedfeat.partition.openvocab import check_modes
 
     check_modes(cfg.local_val or "paper", cfg.query_val or "paper")
+    from fedfeat.partition.openvocab import class_order_mode
+
+    class_order_mode(cfg.class_order, cfg.preset)
     from fedfeat.partition.make import LOCAL_TEST
 
     if (cfg.local_test or "none") not in LOCAL_TEST:

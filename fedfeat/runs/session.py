@@ -69,6 +69,10 @@ def open_store(cfg: RunConfig):
                 f"preset {cfg.preset} is for a store of {want} classes, {cfg.store} has {store.n_classes}; pass "
                 "the store encoded from that dataset, or drop --preset"
             )
+    from fedfeat.partition.openvocab import class_order_mode, preset_class_order
+
+    if class_order_mode(cfg.class_order, cfg.preset) == "preset":  # its class names match the preset's list
+        preset_class_order(cfg.preset, store.class_names)
     have = store.attrs.get("fingerprint_hash")
     if cfg.store_fingerprint is not None and have != cfg.store_fingerprint:
         raise FedfeatError(
@@ -84,10 +88,14 @@ def run_partition(store, cfg: RunConfig, save: bool):
     """``(key, Partition, stored)``: computed in memory (the store is opened read-only); saved into the store
     only when asked (``--save-partition``) and the store is writable."""
     from fedfeat.partition import stored as stored_partition
+    from fedfeat.partition.openvocab import class_order_mode, preset_class_order
 
     sess = active()
+    order = None  # disjoint-classes drawn in the preset's class order (--class-order preset)
+    if cfg.partition == "disjoint-classes" and class_order_mode(cfg.class_order, cfg.preset) == "preset":
+        order = preset_class_order(cfg.preset, store.class_names)
     ck = (str(store.path), cfg.partition, cfg.clients, cfg.alpha, cfg.shards, cfg.imbalance_factor, cfg.shots,
-          cfg.partition_seed)  # fmt: skip
+          cfg.partition_seed, None if order is None else cfg.preset)  # fmt: skip
     if sess is not None and ck in sess.partitions:
         key, part = sess.partitions[ck]
     else:
@@ -101,6 +109,8 @@ def run_partition(store, cfg: RunConfig, save: bool):
             shots=cfg.shots,
             seed=cfg.partition_seed,
             save=False,
+            class_order=order,
+            class_order_name=None if order is None else cfg.preset,
         )
         if sess is not None:
             sess.partitions[ck] = (key, part)
