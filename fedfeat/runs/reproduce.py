@@ -45,6 +45,7 @@ open-vocabulary setting).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,8 +104,18 @@ def _cpl_params(dataset: str) -> dict:
     return {"conf_quantile": str(q), "regular_threshold": str(t)}
 
 
+def _fedmp_params(dataset: str) -> dict:
+    """Fed-MP's per-dataset epsilon (Appendix A; ``fedfeat.partition.openvocab.fedmp_preset_params``)."""
+    from fedfeat.partition.openvocab import fedmp_preset_params
+
+    return fedmp_preset_params(dataset)
+
+
 TABLES_DIR = Path(__file__).with_name("tables")  # one TOML file per paper
-_PER_DATASET = {"cpl": _cpl_params}  # the names a table row's ``per_dataset`` may give
+_PER_DATASET = {
+    "cpl": _cpl_params,
+    "fedmp": _fedmp_params,
+}  # the names a table row's ``per_dataset`` may give
 
 
 def _row(spec: dict) -> Row:
@@ -521,6 +532,10 @@ def reproduce(
     if fmt not in ("markdown", "csv", "json"):
         raise FedfeatError(f"unknown format '{fmt}'; choose markdown, csv or json")
     table = TABLES[name]
+    if synthetic and any("preset" in {**table.fixed, **c.settings} for c in table.columns):
+        # a stand-in's classes are class_000 ...: the preset's class list cannot be matched by name, the store's
+        # order is drawn from (--class-order store)
+        table = dataclasses.replace(table, fixed={**table.fixed, "class_order": "store"})
     root = Path(store_root)
     stores = {
         c.dataset: find_store(root, c.dataset, table.backbone, table, synthetic, log) for c in table.columns
