@@ -177,3 +177,21 @@ def test_registering_a_name_again_replaces_it_with_a_warning():
         assert M.REGISTRY["nb-method"] is second
     finally:
         M.REGISTRY.pop("nb-method", None)
+
+
+def test_optional_fields_parse_from_set_strings():
+    """``float | None`` (PEP 604) fields take ``--set`` strings as ``Optional[float]`` ones do: a number or none."""
+    from fedfeat.methods.base import make_params
+
+    @dataclass(frozen=True)
+    class P:
+        q: float | None = None
+        k: int | None = 3
+
+    class Opt(M.Method):
+        name = "test-optional"
+        Params = P
+
+    assert make_params(Opt, {"q": "50", "k": "none"}) == P(q=50.0, k=None)
+    with pytest.raises(FedfeatError, match="expected float"):
+        make_params(Opt, {"q": "fifty"})

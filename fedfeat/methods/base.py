@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 import typing
 import warnings
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ def _coerce(field: dataclasses.Field, value, hints: dict):
         return _check_type(typ, value)
     origin = typing.get_origin(typ)
     args = [a for a in typing.get_args(typ) if a is not type(None)]
-    if origin is typing.Union or str(origin) == "types.UnionType":
+    if origin is typing.Union or origin is types.UnionType:
         typ = args[0] if args else str
         if value.lower() in ("none", "null"):
             return None
@@ -67,7 +68,7 @@ def _coerce(field: dataclasses.Field, value, hints: dict):
 def _check_type(typ, value):
     """A TOML value (already typed) must have the field's type: no ``lr = true``, no ``batch_size = 1.5``."""
     origin = typing.get_origin(typ)
-    if origin is typing.Union or str(origin) == "types.UnionType":
+    if origin is typing.Union or origin is types.UnionType:
         if value is None:
             return None
         typ = next(a for a in typing.get_args(typ) if a is not type(None))
