@@ -68,7 +68,9 @@ def one(store: str, engine: str, rounds: int) -> dict:
     data = load_run_data(st, part)
     data.live = load_live_text(st)
     rows: list[dict] = []
-    m = get_method("promptfl", {"local_epochs": "1"})
+    # fresh per-client optimisers: the batched program (promptfl's default carries PromptFL's code's one optimiser
+    # from client to client, which runs the clients one after another)
+    m = get_method("promptfl", {"local_epochs": "1", "optimizer_state": "fresh"})
     run_federated(m, data, rounds=rounds, participation=1.0, seed=0, engine=engine, on_round=rows.append)
     round_s = [r["train_seconds"] for r in rows[1:]]
     sizes = torch.diff(data.offsets)

@@ -163,7 +163,10 @@ def test_fedcopl_table_local_accuracy_and_na_rows(tiny_new_tables, tmp_path, mon
     assert by["CLIP Zero-shot"]["paper"] == 86.93
     assert "pixels" in by["FedCoPL"]["why"] and "live text encoder" in by["FedCoPL"]["why"]
     assert by["FedCoPL"]["paper"] == 95.38 and by["FedCoPL"]["mean"] is None
-    assert by["pFedPrompt + CPL"]["why"].startswith("pFedPrompt is not in fedfeat")
+    # every row of the paper is a fedfeat method now: pFedPrompt + CPL needs the live text encoder, FedOPT + CPL
+    # also the pixels (its patch tokens)
+    assert "live text encoder" in by["pFedPrompt + CPL"]["why"] and by["pFedPrompt + CPL"]["paper"] == 90.26
+    assert "pixels" in by["FedOPT + CPL"]["why"] and "live text encoder" in by["FedOPT + CPL"]["why"]
     assert "live text encoder" in by["PromptFL + FPL"]["why"]
 
     # a prompt row that gets past the checks and fails in its run is that cell's n/a, the grid goes on
@@ -193,8 +196,8 @@ def test_new_tables_name_the_encode_command(tmp_path):
 
 def test_prompt_rows_on_an_encoded_store_run_or_say_why(tmp_path):
     """On a store made by `fedfeat encode` (the tiny open_clip model) a prompt row runs (its live encoder loaded
-    once, before the runs); fedcopl without pixels and fedtpg in the open-vocabulary setting (it refuses at
-    set-up) are n/a with their reasons, and the other cells still run."""
+    once, before the runs); fedcopl without pixels is n/a with its reason, and the other cells still run (fedtpg in
+    the open-vocabulary setting too)."""
     from helpers_clip import TINY_NAME, make_tiny_clip, run_cli, write_cifar10
 
     tc = make_tiny_clip(tmp_path / "tinyclip")
@@ -223,7 +226,9 @@ def test_prompt_rows_on_an_encoded_store_run_or_say_why(tmp_path):
         by[("ZS", "joint")]["n"] == 1 and by[("ZS", "open")]["n"] == 1 and by[("ZS", "open")]["paper"] == 2.0
     )
     assert by[("PromptFL + FPL", "joint")]["n"] == 1 and by[("FedTPG", "joint")]["n"] == 1
-    assert "not supported yet" in by[("FedTPG", "open")]["why"] and by[("FedTPG", "open")]["mean"] is None
+    assert (
+        by[("FedTPG", "open")]["n"] == 1 and by[("FedTPG", "open")]["mean"] is not None
+    )  # open vocabulary runs
     for col in ("joint", "open"):
         assert "needs pixels" in by[("FedCoPL", col)]["why"]
     runs = _summaries(tmp_path / "runs")
@@ -248,6 +253,29 @@ def test_reproduce_list_names_every_table_with_its_setting():
 
     got = {t["name"]: t for t in json.loads(js.output)}
     assert [r["label"] for r in got["fed-mp-table1"]["rows"] if r["method"] is None] == [
+        "FedAvg (NN)",
+        "FedKA (NN)",
+    ]
+
+
+def test_every_row_of_the_papers_tables_is_a_method_or_says_why():
+    """CLIP2FL's 12 rows, FedCoPL's 5 and Fed-MP's 6 are all rows; a row is a registered method unless its reason
+    says why not, and every row of the paper carries the paper's numbers."""
+    from fedfeat.methods import REGISTRY
+
+    want = {
+        "clip2fl-table1": ["FedAvg", "FedAvgM", "FedProx", "FedDF", "FedBE", "CCVR", "FedNova", "Fed-Focal Loss",
+                           "Ratio Loss", "FedAvg+tau-norm", "CReFF", "CLIP2FL"],
+        "fedcopl-table1": ["CLIP Zero-shot", "PromptFL + FPL", "pFedPrompt + CPL", "FedOPT + CPL", "FedCoPL"],
+        "fed-mp-table1": ["FedAvg (NN)", "FedKA (NN)", "PromptFL", "FedTPG", "FedCLIP", "Fed-MP"],
+    }  # fmt: skip
+    for name, labels in want.items():
+        t = R.TABLES[name]
+        rows = {r.label: r for r in t.rows}
+        assert set(labels) <= set(rows) and set(labels) <= set(t.paper), name
+        for r in t.rows:
+            assert (r.method in REGISTRY) if r.method else len(r.why) > 20, (name, r.label)
+    assert [r.label for r in R.TABLES["fed-mp-table1"].rows if r.method is None] == [
         "FedAvg (NN)",
         "FedKA (NN)",
     ]

@@ -25,14 +25,22 @@ Two exact shortcuts, both documented switches:
   graph): the same arithmetic per prompt, a working set that stays in cache.
 * **Pool, then LayerNorm.** The final LayerNorm is per token: applying it to the pooled EOT token only is the
   same as applying it to all tokens and pooling.
+
+``TextTower.cast(torch.float16)`` is the tower as OpenAI's CLIP runs it in half precision (the prompt methods'
+``precision="fp16"``): ``clip/model.py`` ``convert_weights`` halves the linear, attention and projection weights,
+``TextEncoder.forward`` casts the token and positional embeddings to ``clip_model.dtype`` (fp16), and CLIP's
+``LayerNorm`` subclass computes in float32 and casts back. ``PromptLearner.features(ctx, classes)`` encodes each
+client's own class subset (``classes  # [n, Kc]`` ids) instead of every class (FedTPG's per-client vocabulary).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from fedfeat.data.templates import fill
 from fedfeat.errors import FedfeatError
@@ -108,6 +116,46 @@ class TextTower:
     def dtype(self) -> torch.dtype:
         return self.positional_embedding.dtype
 
+    def cast(self, dtype: torch.dtype) -> TextTower:
+        """The tower computing in ``dtype`` as OpenAI's CLIP does in fp16 (``openai/CLIP`` ``clip/model.py``
+        ``convert_weights`` + ``LayerNorm``): a copy whose weights are ``dtype`` except the LayerNorms', which compute
+        in float32 and cast back; the positional embedding and the causal mask in ``dtype`` (CLIP casts both to the
+        activations' type); the token embedding shared and cast on use (``embed``). Frozen like the original; the
+        original is left as it is. ``dtype`` the tower's own: the tower itself."""
+        if dtype == self.dtype:
+            return self
+
+        def conv(m):
+            m = copy.deepcopy(m)
+            for mod in m.modules():
+                if isinstance(mod, nn.LayerNorm):
+                    # its weights stay float32 (convert_weights leaves LayerNorms alone)
+                    mod.__class__ = _LayerNormFp32
+                    continue
+                for t in mod.parameters(recurse=False):
+                    t.data = t.data.to(dtype)
+                for name, t in list(mod.named_buffers(recurse=False)):
+                    if t.is_floating_point():
+                        setattr(mod, name, t.to(dtype))
+            for q in m.parameters():
+                q.requires_grad_(False)
+            return m
+
+        proj = self.text_projection
+        if isinstance(proj, nn.Module):
+            proj = conv(proj)
+        elif proj is not None:
+            proj = proj.detach().to(dtype)
+        mask = self.attn_mask
+        return replace(
+            self,
+            positional_embedding=self.positional_embedding.detach().to(dtype),
+            transformer=conv(self.transformer),
+            ln_final=conv(self.ln_final),
+            text_projection=proj,
+            attn_mask=None if mask is None else mask.to(dtype),
+        )
+
     def tokenize(self, prompts: list[str]) -> torch.Tensor:
         """``[N, L]`` int64 token ids on the tower's device."""
         return self.tokenizer(prompts).to(self.device)
@@ -154,6 +202,15 @@ class TextTower:
                 L = int(eot.max()) + 1 if truncate and self.can_truncate() else tok.shape[1]
                 out.append(self.forward_embeddings(self.embed(tok)[:, :L], eot))
         return torch.cat(out) if out else torch.zeros(0, self.width)
+
+
+class _LayerNormFp32(nn.LayerNorm):
+    """CLIP's ``LayerNorm`` (``clip/model.py``): ``super().forward(x.type(torch.float32)).type(orig_type)``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = None if self.weight is None else self.weight.float()
+        b = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), self.normalized_shape, w, b, self.eps).to(x.dtype)
 
 
 def phrase_tokens(tower: TextTower, phrase: str) -> torch.Tensor:
@@ -228,19 +285,30 @@ class PromptLearner:
         v = torch.randn(shape, generator=generator, dtype=torch.float64) * std
         return v.to(device=self.tower.device, dtype=self.tower.dtype)
 
-    def prompts(self, ctx: torch.Tensor) -> torch.Tensor:
-        """Prompt embeddings ``[n * K, L', W]`` for contexts ``[n, n_ctx, W]`` (unified) or ``[n, K, n_ctx, W]``."""
-        n, K, W = ctx.shape[0], self.K, self.width
+    def prompts(self, ctx: torch.Tensor, classes: torch.Tensor | None = None) -> torch.Tensor:
+        """Prompt embeddings ``[n * K, L', W]`` for contexts ``[n, n_ctx, W]`` (unified) or ``[n, K, n_ctx, W]``;
+        with ``classes  # [n, Kc]`` (class ids) only those classes' prompts, ``[n * Kc, L', W]``."""
+        n, W = ctx.shape[0], self.width
+        if classes is None:
+            K = self.K
+            prefix, suffix = self.prefix.expand(n, K, 1, W), self.suffix.expand(n, K, -1, W)
+        else:
+            K = classes.shape[1]
+            prefix, suffix = self.prefix[classes], self.suffix[classes]  # [n, Kc, 1 | L'', W]
+            if ctx.dim() == 4:  # class-specific contexts: each client's rows of its classes
+                ctx = torch.gather(ctx, 1, classes[:, :, None, None].expand(n, K, *ctx.shape[2:]))
         if ctx.dim() == 3:
             ctx = ctx.unsqueeze(1).expand(n, K, self.n_ctx, W)
-        parts = [self.prefix.expand(n, K, 1, W), ctx.to(self.prefix.dtype), self.suffix.expand(n, K, -1, W)]
+        parts = [prefix, ctx.to(self.prefix.dtype), suffix]
         return torch.cat(parts, dim=2).reshape(n * K, -1, W)
 
-    def features(self, ctx: torch.Tensor) -> torch.Tensor:
+    def features(self, ctx: torch.Tensor, classes: torch.Tensor | None = None) -> torch.Tensor:
         """Unnormalised class text features ``[n, K, D]`` of ``n`` clients' contexts in one tower forward (on a
-        CPU, in blocks of ``CPU_BLOCK`` prompts: one autograd graph, cache-sized working sets)."""
+        CPU, in blocks of ``CPU_BLOCK`` prompts: one autograd graph, cache-sized working sets); with ``classes  #
+        [n, Kc]`` the features of each client's listed classes only, ``[n, Kc, D]``."""
         n = ctx.shape[0]
-        x, eot = self.prompts(ctx), self.eot.repeat(n)
+        x = self.prompts(ctx, classes)
+        eot = self.eot.repeat(n) if classes is None else self.eot.to(classes.device)[classes].reshape(-1)
         block = CPU_BLOCK if x.device.type == "cpu" else x.shape[0]
         if x.shape[0] <= block:
             out = self.tower.forward_embeddings(x, eot)
@@ -250,7 +318,7 @@ class PromptLearner:
                 for s in range(0, x.shape[0], block)
             ]
             out = torch.cat(parts)
-        return out.view(n, self.K, -1)
+        return out.view(n, x.shape[0] // n, -1)
 
 
 __all__ = ["TextTower", "PromptLearner", "phrase_tokens"]

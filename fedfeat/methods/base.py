@@ -89,6 +89,12 @@ def _check_type(typ, value):
 
 
 def _type_name(typ) -> str:
+    if typing.get_origin(typ) in (
+        typing.Union,
+        types.UnionType,
+    ):  # Optional[float] / float | None: "float or none"
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        return " or ".join(_type_name(a) for a in args) + " or none"
     if typing.get_origin(typ) is typing.Literal:
         return "one of " + ", ".join(map(str, typing.get_args(typ)))
     return getattr(typ, "__name__", str(typ))

@@ -20,8 +20,8 @@ Tables (the paper's numbers are transcribed from ``../shared/papers``; the setti
 * ``fst-cbdg-table3`` -- Table 3, ablations (self-training only, sampling only, sampling centralized, both) on
   CIFAR-10 (s = 2, IID) and CIFAR-100 (s = 10, IID).
 * ``fst-cbdg-table4`` -- Table 4, equal vs class-balanced sampling on CIFAR-10 and CIFAR-100 (s = 10, IID).
-* ``clip2fl-table1`` -- CLIP2FL Table 1 (ours: the methods fedfeat has): FedAvg, FedAvgM, FedProx, CReFF, CLIP2FL on
-  CIFAR-10-LT / CIFAR-100-LT at IF = 100, 50, 10; 20 clients, 40 % per round, Dirichlet-equal alpha = 0.5,
+* ``clip2fl-table1`` -- CLIP2FL Table 1, all 12 rows: FedAvg, FedAvgM, FedProx, FedDF, FedBE, CCVR, FedNova,
+  Fed-Focal Loss, Ratio Loss, FedAvg + tau-norm, CReFF, CLIP2FL on CIFAR-10-LT / CIFAR-100-LT at IF = 100, 50, 10; 20 clients, 40 % per round, Dirichlet-equal alpha = 0.5,
   ViT-B/32; the paper's 200 rounds (``--rounds`` for fewer: CReFF's server costs ~1 s a round on a CPU).
 * ``fed-mp-table1`` -- Fed-MP Table 1, novel-class accuracy (open vocabulary: ``fedfeat.partition.openvocab``'s presets,
   disjoint classes, 10 clients x 10 shots, all clients, 2 rounds, ViT-L/14@336), in the paper's layout (datasets
@@ -31,16 +31,19 @@ Tables (the paper's numbers are transcribed from ``../shared/papers``; the setti
 * ``fedcopl-table1`` -- FedCoPL's main table (Dirichlet beta = 0.1 label shift, ViT-B/32): mean local test
   accuracy (``local_acc``, ``--partition dirichlet-joint --local-test joint``), 20 rounds, all clients, 10
   clients (5 for CUB and UCF101, reference-notes), DTD / RESISC45 / CUB / UCF101 / CIFAR-10 / CIFAR-100 and Avg.
-  pFedPrompt + CPL and FedOPT + CPL are not in fedfeat (n/a); PromptFL + CPL and CoPL + linear head (fedfeat's
+  every row of the paper (pFedPrompt + CPL, FedOPT + CPL included); PromptFL + CPL and CoPL + linear head (fedfeat's
   cached-feature path) are added (not in the paper).
 
 A table reports its ``metric`` (a key of the runs' ``summary.json``: ``final_acc``, ``local_acc``,
 ``novel_f1`` ...), named in its header. A cell that cannot run is ``n/a`` with the reason printed under the table,
 never a crash: a partition the partitioner cannot draw (``drawable``); a row fedfeat does not have; a prompt
-method (``needs_live_text``: ``promptfl``, ``fedtpg``, ``fedcopl``) on a store without a live encoder (every
+method (``needs_live_text``: ``promptfl``, ``fedtpg``, ``fedcopl``, ``pfedprompt``, ``fedopt``) on a store without a live encoder (every
 ``--synthetic`` stand-in: its backbone is "synthetic") or whose encoder cannot be rebuilt here (weights not
-cached); ``fedcopl`` on a store without pixels (``encode --pixels``); a run its method refuses (FedTPG in the
-open-vocabulary setting).
+cached); ``fedcopl`` / ``fedopt`` on a store without pixels (``encode --pixels``); a run its method refuses.
+
+Each row runs the reading of its authors' code, stated in the TOML (``docs/paper-code.md`` lists the paper/code
+disagreements); each table's header states its setting (``setting``), and a ``--synthetic`` table's title says it
+is a stand-in, not a reproduction. ``fedfeat reproduce --list`` lists the tables (``list_tables``).
 """
 
 from __future__ import annotations
@@ -494,11 +497,6 @@ def render(
         head += f"; the paper prints fractions, shown x{table.paper_scale:g}"
     if table.paper_avg is not None:
         head += "; Avg.: the mean over the columns ('-' where a column has no number)"
-    if synthetic:
-        head += (
-            "\nSYNTHETIC STAND-IN STORES (--synthetic): these numbers say nothing about real data; they show the "
-            "grid runs"
-        )
     notes = "".join(f"\nn/a in {table.columns[c].label}: {why}" for c, why in skipped.items())
     by_reason: dict[tuple[int, str], list[int]] = {}
     for (r, c), why in sorted(blocked.items()):
