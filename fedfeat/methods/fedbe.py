@@ -47,7 +47,14 @@ from fedfeat.engine.context import Context, RoundPlan
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import register
 from fedfeat.methods.head import LinearHead, LinearHeadParams
-from fedfeat.methods.serverdata import DistillConfig, check_source, distill_head, draw_set, mean_probs
+from fedfeat.methods.serverdata import (
+    DistillConfig,
+    check_source,
+    distill_head,
+    draw_set,
+    mean_probs,
+    server_step_metrics,
+)
 
 TAG_SERVER_SET = 721
 TAG_SAMPLE = 722  # each round's sampled heads
@@ -222,12 +229,7 @@ class FedBE(LinearHead):
 
     def round_metrics(self, ctx: Context, data, glob: dict, ev: dict) -> dict:
         """The FedAvg head's accuracy (before distillation) and the distillation's figures."""
-        out = dict(ctx.state.get("info") or {})
-        avg = ctx.state.get("fedavg_head")
-        if avg is not None:
-            pred = LinearHead.predict(self, ctx, avg, ctx.test_x).argmax(1)
-            out["fedavg_head_acc"] = float((pred == data.test_y).double().mean()) * 100
-        return out
+        return server_step_metrics(ctx, data)
 
 
 __all__ = ["FedBE", "FedBEParams", "fit_gaussian", "sample_code", "sample_gaussian", "sharpen"]

@@ -51,7 +51,14 @@ from fedfeat.engine.context import Context, RoundPlan, fedavg
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import register
 from fedfeat.methods.head import LinearHead, LinearHeadParams
-from fedfeat.methods.serverdata import DistillConfig, check_source, distill_head, draw_set, head_logits
+from fedfeat.methods.serverdata import (
+    DistillConfig,
+    check_source,
+    distill_head,
+    draw_set,
+    head_logits,
+    server_step_metrics,
+)
 
 TAG_VAL_SET = 711  # the labelled validation split
 TAG_DISTILL_SET = 712  # the unlabelled distillation set
@@ -173,12 +180,7 @@ class FedDF(LinearHead):
 
     def round_metrics(self, ctx: Context, data, glob: dict, ev: dict) -> dict:
         """The FedAvg head's accuracy (before distillation) and the distillation's figures."""
-        out = dict(ctx.state.get("info") or {})
-        avg = ctx.state.get("fedavg_head")
-        if avg is not None:
-            pred = LinearHead.predict(self, ctx, avg, ctx.test_x).argmax(1)
-            out["fedavg_head_acc"] = float((pred == data.test_y).double().mean()) * 100
-        return out
+        return server_step_metrics(ctx, data)
 
 
 __all__ = ["FedDF", "FedDFParams", "teacher_targets"]

@@ -66,10 +66,18 @@ import torch
 import torch.nn.functional as F
 
 from fedfeat.engine import rng
-from fedfeat.engine.context import Batch, Context, RoundPlan, fedavg, masked_mean
+from fedfeat.engine.context import Batch, Context, RoundPlan, fedavg
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import register
-from fedfeat.methods.prompt import TAG_CTX_INIT, PromptFLParams, PromptMethod, pseudo_label
+from fedfeat.methods.prompt import (
+    TAG_CTX_INIT,
+    PromptFLParams,
+    PromptMethod,
+    client_weights,
+    pseudo_label,
+    pseudo_loss,
+    pseudo_metrics,
+)
 
 ENCODE_BATCH = 256  # images per forward of the frozen image tower at set-up (a store chunk read at a time)
 EVAL_ELEMENTS = 1 << 24  # evaluation: OT problems per pass bounded by this many similarity entries
@@ -245,24 +253,6 @@ def _check_vit(visual) -> None:
         )
 
 
-def pseudo_metrics(ctx: Context, data, pseudo: str) -> dict:
-    """The pseudo-labels' accuracy against the true labels (a metric only), as ``promptfl``'s."""
-    if pseudo == "none" or "pseudo_rows" not in ctx.state:
-        return {}
-    rows = ctx.state["pseudo_rows"]
-    truth = data.train_y[rows.to(data.train_y.device)]
-    out: dict = {"pseudo_samples": len(rows)}
-    if "pseudo_labels" in ctx.state:
-        y = ctx.state["pseudo_labels"].to(truth.device)
-        out["pseudo_label_acc"] = 100 * float((y == truth).double().mean()) if len(rows) else None
-    else:
-        cand = ctx.state["pseudo_candidates"].to(truth.device)
-        hit = cand[torch.arange(len(truth), device=truth.device), truth]
-        out["pseudo_label_acc"] = 100 * float(hit.double().mean()) if len(rows) else None
-        out["pseudo_set_size"] = float(cand.sum(1).double().mean()) if len(rows) else None
-    return out
-
-
 @register
 class FedOTP(PromptMethod):
     """FedOTP (Li et al. 2024): global + local CoOp prompts per client, matched to patch features by OT."""
@@ -367,25 +357,15 @@ class FedOTP(PromptMethod):
         logits = self._logits(
             ctx, patches, self._text(params["ctx"], params["local"]), batch.mask
         )  # [n, B, K]
-        pseudo = self.p.pseudo
-        if pseudo == "cpl":
-            from fedfeat.methods.pseudolabel import cc_loss
-
-            loss = cc_loss(logits, ctx.state["pseudo_candidates"][batch.pos], batch.mask)
-        else:
-            y = batch.y if pseudo == "none" else ctx.state["pseudo_labels"][batch.pos]
-            loss = F.cross_entropy(logits.flatten(0, 1), y.reshape(-1), reduction="none").view(n, B)
-        return masked_mean(loss, batch.mask)
+        return pseudo_loss(ctx, logits, batch, self.p.pseudo)
 
     # ------------------------------------------------------------------ server
     def aggregate(self, ctx: Context, plan: RoundPlan, glob: dict, cparams: dict) -> dict:
         ctx.state["client_local"][plan.clients.to(ctx.device)] = cparams["local"].detach()
-        w = plan.sizes.to(ctx.device)
-        if int(w.sum()) == 0:  # no sampled client holds a (pseudo-labelled) sample
-            return glob
-        if self.p.aggregation == "mean":
-            w = (w > 0).to(w.dtype)
-        return fedavg({"ctx": cparams["ctx"]}, w)  # average_weights(local_weights_0, ..., datanumber_client)
+        w = client_weights(ctx, plan, self.p.aggregation)
+        return (
+            glob if w is None else fedavg({"ctx": cparams["ctx"]}, w)
+        )  # average_weights(local_weights_0, ..., datanumber_client)
 
     def upload_bytes(self, ctx: Context, plan: RoundPlan, cparams: dict) -> int:
         return int(cparams["ctx"].numel() * cparams["ctx"].element_size())

@@ -46,10 +46,18 @@ import torch
 import torch.nn.functional as F
 
 from fedfeat.engine import rng
-from fedfeat.engine.context import Batch, Context, RoundPlan, fedavg, masked_mean
+from fedfeat.engine.context import Batch, Context, RoundPlan, fedavg
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import register
-from fedfeat.methods.prompt import TAG_CTX_INIT, PromptFLParams, PromptMethod, pseudo_label
+from fedfeat.methods.prompt import (
+    TAG_CTX_INIT,
+    PromptFLParams,
+    PromptMethod,
+    client_weights,
+    pseudo_label,
+    pseudo_loss,
+    pseudo_metrics,
+)
 
 EVAL_ROWS = 1024  # test rows per client and pass when evaluating (bounds [clients, rows, memory] affinities)
 
@@ -181,22 +189,11 @@ class PFedPrompt(PromptMethod):
                 drop = F.one_hot(slot, M).bool() & batch.mask.unsqueeze(-1)
             mem = tuple(m[:n] for m in local["memory"])
             logits = logits + self._memory(batch.x, mem, drop).to(logits.dtype)
-        if p.pseudo == "cpl":
-            from fedfeat.methods.pseudolabel import cc_loss
-
-            loss = cc_loss(logits, ctx.state["pseudo_candidates"][batch.pos], batch.mask)
-        else:
-            y = batch.y if p.pseudo == "none" else ctx.state["pseudo_labels"][batch.pos]
-            loss = F.cross_entropy(logits.reshape(n * B, K), y.reshape(-1), reduction="none").view(n, B)
-        return masked_mean(loss, batch.mask)
+        return pseudo_loss(ctx, logits, batch, p.pseudo)
 
     def aggregate(self, ctx: Context, plan: RoundPlan, glob: dict, cparams: dict) -> dict:
-        w = plan.sizes.to(ctx.device)
-        if int(w.sum()) == 0:  # no sampled client holds a (pseudo-labelled) sample
-            return glob
-        if self.p.aggregation == "mean":
-            w = (w > 0).to(w.dtype)
-        return fedavg(cparams, w)
+        w = client_weights(ctx, plan, self.p.aggregation)
+        return glob if w is None else fedavg(cparams, w)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -231,18 +228,4 @@ class PFedPrompt(PromptMethod):
         ]
 
     def round_metrics(self, ctx: Context, data, glob: dict, ev: dict) -> dict:
-        if self.p.pseudo == "none" or "pseudo_rows" not in ctx.state:
-            return {}
-        rows = ctx.state["pseudo_rows"]
-        truth = data.train_y[rows.to(data.train_y.device)]
-        out: dict = {"pseudo_samples": len(rows)}
-        if not len(rows):
-            return out
-        if "pseudo_labels" in ctx.state:
-            y = ctx.state["pseudo_labels"].to(truth.device)
-            out["pseudo_label_acc"] = 100 * float((y == truth).double().mean())
-        else:
-            cand = ctx.state["pseudo_candidates"].to(truth.device)
-            out["pseudo_label_acc"] = 100 * float(cand[torch.arange(len(truth)), truth].double().mean())
-            out["pseudo_set_size"] = float(cand.sum(1).double().mean())
-        return out
+        return pseudo_metrics(ctx, data, self.p.pseudo)

@@ -319,7 +319,58 @@ class PromptMethod(Method):
         return ctx.clip_logit_scale * x @ t.to(x.dtype).T
 
 
+def pseudo_loss(ctx: Context, logits: torch.Tensor, batch, pseudo: str) -> torch.Tensor:
+    """The prompt methods' local loss per client ``[n]``: CE on the true labels (``pseudo="none"``), on FPL's /
+    CoPL's hard pseudo-labels, or CPL's candidate-set loss ``-log sum_{j in S} p_j`` (``cc``); ``logits  # [n, B, K]``,
+    padding rows masked out (``batch.mask``)."""
+    from fedfeat.engine.context import masked_mean
+
+    n, B, K = logits.shape
+    if pseudo == "cpl":
+        from fedfeat.methods.pseudolabel import cc_loss
+
+        loss = cc_loss(logits, ctx.state["pseudo_candidates"][batch.pos], batch.mask)  # [n, B]
+    else:
+        y = batch.y if pseudo == "none" else ctx.state["pseudo_labels"][batch.pos]
+        loss = F.cross_entropy(logits.reshape(n * B, K), y.reshape(-1), reduction="none").view(n, B)
+    return masked_mean(loss, batch.mask)
+
+
+def client_weights(ctx: Context, plan, aggregation: str) -> torch.Tensor | None:
+    """The prompts' aggregation weights ``[m]``: client sizes (``"size"``: FedAvg; the selected-set sizes in the
+    unsupervised modes), or 1 for every sampled client that trained (``"mean"``); None when no sampled client holds
+    a (pseudo-labelled) sample (the server then keeps its prompt)."""
+    w = plan.sizes.to(ctx.device)
+    if int(w.sum()) == 0:
+        return None
+    return (w > 0).to(w.dtype) if aggregation == "mean" else w
+
+
+def pseudo_metrics(ctx: Context, data, pseudo: str) -> dict:
+    """The pseudo-labels' accuracy against the true labels (a metric only: ``pseudo_label_acc``; for CPL the share of
+    samples whose candidate set holds the true class, and ``pseudo_set_size``), and how many samples were kept."""
+    if pseudo == "none" or "pseudo_rows" not in ctx.state:
+        return {}
+    rows = ctx.state["pseudo_rows"]
+    truth = data.train_y[rows.to(data.train_y.device)]
+    out: dict = {"pseudo_samples": len(rows)}
+    if not len(rows):
+        return out
+    if "pseudo_labels" in ctx.state:
+        y = ctx.state["pseudo_labels"].to(truth.device)
+        out["pseudo_label_acc"] = 100 * float((y == truth).double().mean())
+    else:
+        cand = ctx.state["pseudo_candidates"].to(truth.device)
+        hit = cand[torch.arange(len(truth), device=truth.device), truth]
+        out["pseudo_label_acc"] = 100 * float(hit.double().mean())
+        out["pseudo_set_size"] = float(cand.sum(1).double().mean())
+    return out
+
+
 __all__ = [
+    "client_weights",
+    "pseudo_loss",
+    "pseudo_metrics",
     "PromptMethod", "PromptParams", "PromptFLParams", "pseudo_label", "round_lr", "epoch_lr", "resolve_precision",
     "cpl_datasets", "TAG_CTX_INIT", "LR_STEPS",
 ]  # fmt: skip

@@ -79,8 +79,11 @@ from fedfeat.methods.prompt import (  # noqa: F401  (re-exported: promptfl.Promp
     PromptFLParams,
     PromptMethod,
     PromptParams,
+    client_weights,
     epoch_lr,
     pseudo_label,
+    pseudo_loss,
+    pseudo_metrics,
     round_lr,
 )
 
@@ -132,41 +135,16 @@ class PromptFL(PromptMethod):
 
     def step_loss(self, ctx: Context, params: dict, batch: Batch, local: dict) -> torch.Tensor:
         logits = self.logits(ctx, params, batch.x)  # [n, B, K]
-        n, B, K = logits.shape
         if self.novel is not None:  # open vocabulary: CE over the base classes
             logits = logits.masked_fill(self.novel, float("-inf"))
-        if self.pseudo == "cpl":
-            from fedfeat.methods.pseudolabel import cc_loss
-
-            loss = cc_loss(logits, ctx.state["pseudo_candidates"][batch.pos], batch.mask)  # [n, B]
-        else:
-            y = batch.y if self.pseudo == "none" else ctx.state["pseudo_labels"][batch.pos]
-            loss = F.cross_entropy(logits.reshape(n * B, K), y.reshape(-1), reduction="none").view(n, B)
-        return masked_mean(loss, batch.mask)
+        return pseudo_loss(ctx, logits, batch, self.pseudo)
 
     def aggregate(self, ctx: Context, plan: RoundPlan, glob: dict, cparams: dict) -> dict:
-        w = plan.sizes.to(ctx.device)
-        if int(w.sum()) == 0:  # no sampled client holds a (pseudo-labelled) sample
-            return glob
-        if self.p.aggregation == "mean":  # every sampled client that trained counts alike
-            w = (w > 0).to(w.dtype)
-        return _average(cparams, w)
+        w = client_weights(ctx, plan, self.p.aggregation)
+        return glob if w is None else _average(cparams, w)
 
     def round_metrics(self, ctx: Context, data, glob: dict, ev: dict) -> dict:
-        if self.pseudo == "none" or "pseudo_rows" not in ctx.state:
-            return {}
-        rows = ctx.state["pseudo_rows"]
-        truth = data.train_y[rows.to(data.train_y.device)]
-        out = {"pseudo_samples": len(rows)}
-        if self.pseudo in ("fpl", "copl"):
-            out["pseudo_label_acc"] = 100 * float(
-                (ctx.state["pseudo_labels"].to(truth.device) == truth).double().mean()
-            )
-        else:
-            cand = ctx.state["pseudo_candidates"].to(truth.device)
-            out["pseudo_label_acc"] = 100 * float(cand[torch.arange(len(truth)), truth].double().mean())
-            out["pseudo_set_size"] = float(cand.sum(1).double().mean())
-        return out
+        return pseudo_metrics(ctx, data, self.pseudo)
 
 
 # ---------------------------------------------------------------------------------------- FedTPG

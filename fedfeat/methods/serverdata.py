@@ -337,7 +337,25 @@ def distill_head(
     return W, b, info
 
 
+def server_step_metrics(ctx: Context, data) -> dict:
+    """What a distilling server step reports each round: its figures (``ctx.state["info"]``) and the accuracy of the
+    FedAvg head it started from (``fedavg_head_acc``, on the test rows: a ``--val-split``'s rows left out)."""
+    out = dict(ctx.state.get("info") or {})
+    avg = ctx.state.get("fedavg_head")
+    if avg is not None:
+        pred = (ctx.test_x @ avg["W"].T + avg["b"]).argmax(
+            1
+        )  # a positive logit scale leaves the argmax alone
+        right = pred == data.test_y.to(pred.device)
+        vm = getattr(ctx, "val_mask", None)
+        if vm is not None:
+            right = right[~vm.to(right.device)]
+        out["fedavg_head_acc"] = float(right.double().mean()) * 100
+    return out
+
+
 __all__ = [
+    "server_step_metrics",
     "SOURCES",
     "DistillConfig",
     "ServerSet",
