@@ -4,6 +4,8 @@ over seeds beside the paper's numbers, a missing store named with its make targe
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -87,6 +89,12 @@ def tiny_new_tables(monkeypatch):
                                              s=0.1, eta=0.7),
         ("cifar10", "ViT-B-32"): dict(classes=10, train_per_class=60, test_per_class=20, dim=32, templates=2),
     })  # fmt: skip
+    import fedfeat.runs.standin as standin
+
+    monkeypatch.setattr(
+        standin, "LIVE_TRAIN", 10
+    )  # the live stand-ins' images per class (10 shots for Fed-MP)
+    monkeypatch.setattr(standin, "LIVE_TEST", 3)
     for name, keep in (("fed-mp-table1", 0), ("fed-mp-table1-f1", 0), ("fedcopl-table1", 4)):
         t = R.TABLES[name]
         cut = {k: [v[keep]] for k, v in t.paper.items()}
@@ -107,8 +115,19 @@ def test_fedmp_table_open_vocab_metric_and_na_rows(tiny_new_tables, tmp_path):
     cells = json.loads(R.reproduce("fed-mp-table1", fmt="json", out=tmp_path / "runs", **kw))
     by = {c["row"]: c for c in cells if c["column"] == "Caltech101"}
     runs = _summaries(tmp_path / "runs")
-    assert len(runs) == 6 and {r["method"] for r in runs} == {"zeroshot", "fedclip", "fed-mp"}
+    assert len(runs) == 10 and {r["method"] for r in runs} == {
+        "zeroshot",
+        "fedclip",
+        "fed-mp",
+        "promptfl",
+        "fedtpg",
+    }
     assert all(r["partition"].startswith("disjoint-classes-shot10-c10") and r["rounds"] == 1 for r in runs)
+    # the prompt rows run on the live stand-in (a tiny random CLIP), the others on the feature stand-in
+    assert {
+        Path(r["store"]).name.startswith("fedfeat-standin-vit") for r in runs if r["method"] == "fedtpg"
+    } == {True}
+    assert {Path(r["store"]).name.startswith("synth-") for r in runs if r["method"] == "fed-mp"} == {True}
     for row, method in (
         ("Fed-MP", "fed-mp"),
         ("FedCLIP", "fedclip"),
@@ -118,16 +137,21 @@ def test_fedmp_table_open_vocab_metric_and_na_rows(tiny_new_tables, tmp_path):
         assert by[row]["n"] == 2 and by[row]["mean"] == pytest.approx(np.mean(acc))
         assert by[row]["metric"] == "final_acc" and by[row]["why"] is None
     assert by["Fed-MP"]["paper"] == 99.36 and by["Fed-MP"]["paper_std"] == 0.1
-    for row in ("PromptFL", "FedTPG"):
-        assert by[row]["mean"] is None and by[row]["n"] == 0
-        assert "live text encoder" in by[row]["why"] and "synthetic stand-in" in by[row]["why"]
+    for row, method in (("PromptFL", "promptfl"), ("FedTPG", "fedtpg")):
+        acc = [r["final_acc"] for r in runs if r["method"] == method]
+        assert by[row]["n"] == 2 and by[row]["mean"] == pytest.approx(np.mean(acc)) and by[row]["why"] is None
+    fed_mp = next(r for r in runs if r["method"] == "fed-mp")[
+        "params"
+    ]  # the code's readings, the preset's epsilon
+    assert (fed_mp["combine"], fed_mp["weights"], fed_mp["pseudo_label"], fed_mp["uncertainty"]) == (
+        "sum", "linear", "prediction", 0.2)  # fmt: skip
     assert "not in fedfeat" in by["FedAvg (NN)"]["why"] and by["FedAvg (NN)"]["paper"] == 50.9
     avg = {c["row"]: c for c in cells if c["column"] == "Avg."}
     assert avg["Fed-MP"]["paper"] == 92.99 and avg["Fed-MP"]["mean"] == pytest.approx(by["Fed-MP"]["mean"])
     # the F1 table: the same runs (reused, not redone), its own metric
     logs = []
     md = R.reproduce("fed-mp-table1-f1", out=tmp_path / "runs", **{**kw, "log": logs.append})
-    assert sum("finished already, skipped" in m for m in logs) == 6
+    assert sum("finished already, skipped" in m for m in logs) == 10
     f1 = np.mean([r["novel_f1"] for r in runs if r["method"] == "fed-mp"])
     line = next(x for x in md.splitlines() if x.startswith("| Caltech101 |")).split(" | ")
     assert line[-1].startswith(f"{f1:.2f}") and line[-1].endswith("(98.76 ± 0.20) |")
@@ -141,19 +165,25 @@ def test_fedmp_table_open_vocab_metric_and_na_rows(tiny_new_tables, tmp_path):
         "preset caltech101, 10 shots per class; metric: novel_f1"
     )
     assert "| dataset | CLIP-ZS (not in the paper) | FedAvg (NN) |" in md and "| Average |" in md
-    assert "n/a for PromptFL (all columns): promptfl needs the store's live text encoder" in md
+    assert "PromptFL, FedTPG: on live stand-ins (synthetic 32-px images" in md
 
 
 def test_fedcopl_table_local_accuracy_and_na_rows(tiny_new_tables, tmp_path, monkeypatch):
     """FedCoPL's main table reports local_acc (dirichlet-joint, local test splits); fedcopl / promptfl rows are n/a
     on a stand-in with the reason, rows fedfeat lacks say so; a live row that fails at run time is n/a too."""
+    import fedfeat.runs.standin as standin
+
+    monkeypatch.setattr(standin, "LIVE_TRAIN", 30)  # Dirichlet 0.1 over 10 clients needs >= 10 samples each
     kw = dict(store_root=tmp_path / "cache", synthetic=True, seeds=2, rounds=1, out=tmp_path / "runs",
               log=lambda *a: None)  # fmt: skip
     cells = json.loads(R.reproduce("fedcopl-table1", fmt="json", **kw))
     by = {c["row"]: c for c in cells if c["column"] == "CIFAR10"}
     runs = _summaries(tmp_path / "runs")
-    assert {r["method"] for r in runs} == {"zeroshot", "copl-linear"} and len(runs) == 4
+    every = {"zeroshot", "copl-linear", "promptfl", "pfedprompt", "fedopt", "fedcopl"}
+    assert {r["method"] for r in runs} == every and len(runs) == 14  # 7 rows x 2 seeds
     assert all(r["partition"].startswith("dirichlet-joint-a0.1-c10") for r in runs)
+    # FedCoPL runs its reference code's optimiser (momentum carried from client to client)
+    assert {r["params"]["optimizer_state"] for r in runs if r["method"] == "fedcopl"} == {"carried"}
     for row, method in (
         ("CLIP Zero-shot", "zeroshot"),
         ("CoPL + linear head (not in the paper)", "copl-linear"),
@@ -161,16 +191,20 @@ def test_fedcopl_table_local_accuracy_and_na_rows(tiny_new_tables, tmp_path, mon
         loc = [r["local_acc"] for r in runs if r["method"] == method]
         assert by[row]["metric"] == "local_acc" and by[row]["mean"] == pytest.approx(np.mean(loc))
     assert by["CLIP Zero-shot"]["paper"] == 86.93
-    assert "pixels" in by["FedCoPL"]["why"] and "live text encoder" in by["FedCoPL"]["why"]
-    assert by["FedCoPL"]["paper"] == 95.38 and by["FedCoPL"]["mean"] is None
-    # every row of the paper is a fedfeat method now: pFedPrompt + CPL needs the live text encoder, FedOPT + CPL
-    # also the pixels (its patch tokens)
-    assert "live text encoder" in by["pFedPrompt + CPL"]["why"] and by["pFedPrompt + CPL"]["paper"] == 90.26
-    assert "pixels" in by["FedOPT + CPL"]["why"] and "live text encoder" in by["FedOPT + CPL"]["why"]
-    assert "live text encoder" in by["PromptFL + FPL"]["why"]
+    # every row of the paper runs: the prompt rows on the live stand-in (pixels for FedCoPL's and FedOPT's images)
+    for row, method, pseudo in (("PromptFL + FPL", "promptfl", "fpl"), ("pFedPrompt + CPL", "pfedprompt", "cpl"),
+                                ("FedOPT + CPL", "fedopt", "cpl"), ("FedCoPL", "fedcopl", "copl")):  # fmt: skip
+        loc = [r["local_acc"] for r in runs if r["method"] == method and r["params"]["pseudo"] == pseudo]
+        assert by[row]["n"] == 2 and by[row]["why"] is None and by[row]["mean"] == pytest.approx(np.mean(loc))
+    assert by["FedCoPL"]["paper"] == 95.38 and by["pFedPrompt + CPL"]["paper"] == 90.26
 
-    # a prompt row that gets past the checks and fails in its run is that cell's n/a, the grid goes on
-    def only_missing_methods(t, stores, skip=()):
+    # a prompt row that gets past the checks and fails in its run is that cell's n/a, the grid goes on: here its
+    # "live" stand-in is the feature stand-in, which has no encoder
+    monkeypatch.setattr(standin, "live_standin", lambda root, ds, shape, log: R.find_store(
+        root, ds, "ViT-B-32", R.TABLES["fedcopl-table1"], True, log))  # fmt: skip
+    shutil.rmtree(tmp_path / "runs")
+
+    def only_missing_methods(t, stores, skip=(), live_stores=None):
         return {
             (r, c): row.why
             for r, row in enumerate(t.rows)

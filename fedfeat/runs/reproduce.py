@@ -37,9 +37,13 @@ Tables (the paper's numbers are transcribed from ``../shared/papers``; the setti
 A table reports its ``metric`` (a key of the runs' ``summary.json``: ``final_acc``, ``local_acc``,
 ``novel_f1`` ...), named in its header. A cell that cannot run is ``n/a`` with the reason printed under the table,
 never a crash: a partition the partitioner cannot draw (``drawable``); a row fedfeat does not have; a prompt
-method (``needs_live_text``: ``promptfl``, ``fedtpg``, ``fedcopl``, ``pfedprompt``, ``fedopt``) on a store without a live encoder (every
-``--synthetic`` stand-in: its backbone is "synthetic") or whose encoder cannot be rebuilt here (weights not
-cached); ``fedcopl`` / ``fedopt`` on a store without pixels (``encode --pixels``); a run its method refuses.
+method (``needs_live_text``: ``promptfl``, ``fedtpg``, ``fedcopl``, ``pfedprompt``, ``fedopt``) on a store without a
+live encoder or whose encoder cannot be rebuilt here (weights not cached); ``fedcopl`` / ``fedopt`` on a store
+without pixels (``encode --pixels``); a run its method refuses.
+
+Under ``--synthetic`` every row runs: the rows on cached features on feature stand-ins shaped like the paper's
+backbone (``fedfeat synth``), the prompt rows on *live stand-ins* (``fedfeat.runs.standin``: synthetic images
+encoded with pixels by a tiny random CLIP, whose encoder the prompt methods rebuild), as the header says.
 
 Each row runs the reading of its authors' code, stated in the TOML (``docs/paper-code.md`` lists the paper/code
 disagreements); each table's header states its setting (``setting``), and a ``--synthetic`` table's title says it
@@ -235,7 +239,17 @@ def _needs(method: str) -> tuple[bool, bool]:
     return live, pixels
 
 
-def runnable(table: Table, stores: dict[str, Path], skip=()) -> dict[tuple[int, int], str]:
+def _store(row: Row, col: Column, stores: dict[str, Path], live_stores: dict | None) -> Path:
+    """The store a cell runs on: a live row's live stand-in under ``--synthetic`` (``fedfeat.runs.standin``), else
+    the column's."""
+    if live_stores and row.method is not None and any(_needs(row.method)):
+        return live_stores[col.dataset]
+    return stores[col.dataset]
+
+
+def runnable(
+    table: Table, stores: dict[str, Path], skip=(), live_stores: dict | None = None
+) -> dict[tuple[int, int], str]:
     """Cells ``(row, column)`` that cannot run, with the reason, found before any run: a row whose method fedfeat
     does not have; a prompt method (``needs_live_text``) on a store without a live encoder (a synthetic stand-in)
     or whose encoder cannot be rebuilt here (loaded now, inside the sweep's session, and reused by the runs); a
@@ -256,7 +270,7 @@ def runnable(table: Table, stores: dict[str, Path], skip=()) -> dict[tuple[int, 
             if c in skip:
                 continue
             cfg = resolve_config({**table.fixed, **col.settings, **row.settings, "method": row.method,
-                                  "store": str(stores[col.dataset])}, None, None)  # fmt: skip
+                                  "store": str(_store(row, col, stores, live_stores))}, None, None)  # fmt: skip
             st = open_store(cfg)
             need = ["the store's live text encoder (a real backbone and its weights)"] if live else []
             if pixels and not st.has_pixels:
@@ -287,6 +301,7 @@ def points(
     rounds: int | None,
     skip=(),
     blocked=(),
+    live_stores: dict | None = None,
 ) -> tuple[list, dict]:
     """The sweep points of ``table`` and, per (row, column), the indices of its points (one per seed); columns in
     ``skip`` and cells in ``blocked`` get none."""
@@ -310,7 +325,7 @@ def points(
             idx = []
             for s in seeds:
                 settings = {**fixed, **col.settings, **row.settings, "method": row.method, "seed": s,
-                            "store": str(stores[col.dataset]), "out": str(out)}  # fmt: skip
+                            "store": str(_store(row, col, stores, live_stores)), "out": str(out)}  # fmt: skip
                 if row.once_per_dataset and "partition" not in row.settings:
                     settings.update({"partition": "iid", "alpha": None, "shards": None})
                     settings.pop("imbalance_factor", None)
@@ -410,6 +425,7 @@ def render(
     skipped=None,
     blocked=None,
     rounds: int | None = None,
+    live_note: str = "",
 ) -> str:
     """The paper's layout: rows = methods, columns = settings (transposed where the paper has datasets as rows);
     a cell = ours (the table's metric: mean ± std (n) over seeds) and the paper's number beside it. ``summaries``
@@ -493,6 +509,8 @@ def render(
         f"{title}\n{setting(table, rounds, n or None)}\nmetric: {table.metric_label} [summary.json: {table.metric}]; "
         f"ours: mean ± std over {n} seed(s), the paper's number (± its std where it prints one) in parentheses"
     )
+    if live_note:
+        head += "\n" + live_note
     if table.paper_scale != 1:
         head += f"; the paper prints fractions, shown x{table.paper_scale:g}"
     if table.paper_avg is not None:
@@ -545,15 +563,40 @@ def reproduce(
     )
     from fedfeat.runs.sweep import session
 
+    live_stores, live_note = {}, ""
+    live_rows = [row.label for row in table.rows if row.method is not None and any(_needs(row.method))]
+    if (
+        synthetic and live_rows
+    ):  # prompt rows run on live stand-ins: real encoded stores of a tiny random CLIP
+        from fedfeat.runs.standin import LIVE_TEST, LIVE_TRAIN, live_standin
+
+        live_stores = {
+            c.dataset: live_standin(root, c.dataset, SYNTH_SHAPES[(c.dataset, table.backbone)], log)
+            for c in table.columns
+        }
+        live_note = (
+            f"{', '.join(live_rows)}: on live stand-ins (synthetic 32-px images, <= {LIVE_TRAIN} + {LIVE_TEST} per "
+            "class, encoded with pixels by a tiny random CLIP, D = 32: fedfeat.runs.standin); the other rows on "
+            f"feature stand-ins shaped like {table.backbone}"
+        )
     with session():  # the columns' partitions, checked here, are the ones the runs use
         skipped = drawable(table, stores)
         for c, why in skipped.items():
             log(f"{table.columns[c].label}: the partition cannot be drawn ({why}); the column is left empty")
-        blocked = runnable(table, stores, skip=skipped)
+        blocked = runnable(table, stores, skip=skipped, live_stores=live_stores)
         for r in sorted({r for r, _ in blocked}):
             why = next(w for (rr, _), w in blocked.items() if rr == r)
             log(f"{table.rows[r].label}: n/a ({why})")
-        pts, where = points(table, stores, list(range(seeds)), out, rounds, skip=skipped, blocked=blocked)
+        pts, where = points(
+            table,
+            stores,
+            list(range(seeds)),
+            out,
+            rounds,
+            skip=skipped,
+            blocked=blocked,
+            live_stores=live_stores,
+        )
         log(
             f"{name}: {len(pts)} runs ({len(table.rows)} rows x {len(table.columns)} columns x {seeds} seeds"
             + (f", {sum(1 for v in where.values() if not v)} cells n/a)" if any(not v for v in where.values())
@@ -582,7 +625,9 @@ def reproduce(
             for i, p in zip(idx, got):
                 paths[i] = p
     summaries = [None if p is None else load_run(p)[0] for p in paths]
-    return render(table, summaries, where, synthetic, fmt, skipped, blocked, rounds=rounds)
+    return render(
+        table, summaries, where, synthetic, fmt, skipped, blocked, rounds=rounds, live_note=live_note
+    )
 
 
 __all__ = ["TABLES", "list_tables", "reproduce", "setting"]
