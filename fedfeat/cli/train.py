@@ -76,7 +76,7 @@ def register(app: typer.Typer) -> None:
             None,
             help="Hold out this fraction of each test class as a validation set (a fixed seed: the same split "
             "for every --seed): val_acc is measured on it, test metrics leave it out, and `report --best` selects on "
-            "it. Open-vocabulary runs validate on the query set's 20 %% (--query-val paper) instead. Default: none.",
+            "it. Open-vocabulary runs validate on the query set's 20 % (--query-val paper) instead. Default: none.",
         ),
         clients: Optional[int] = typer.Option(None, help="Number of clients. Default 100."),
         participation: Optional[float] = typer.Option(
