@@ -88,7 +88,11 @@ def test_fused_kernels_cover_the_linear_heads_and_fst_cbdg():
     # copl-linear is FedAvg on its own pseudo-labels: FedAvg's loss, so FedAvg's kernel
     # fednova / fedavg-tau-norm train with FedAvg's (FedProx's) local loss: they change only the server / evaluation
     assert fused == {"fedavg", "centralized", "fedprox", "fedavgm", "fedntd", "fst-cbdg", "copl-linear"} | {
-        "fednova", "fedavg-tau-norm", "feddf", "fedbe", "ccvr"  # FedAvg's local loss; server-side steps only
+        "fednova",
+        "fedavg-tau-norm",
+        "feddf",
+        "fedbe",
+        "ccvr",  # FedAvg's local loss; server-side steps only
     }
 
 

@@ -1,6 +1,9 @@
 """The ``fedfeat`` command line. It only parses flags and calls one library function per command.
 
-Errors a user can cause (``FedfeatError``) print as one line, ``error: ...``, with exit status 2.
+Errors a user can cause (``FedfeatError``) print as one line, ``error: ...``, with exit status 2. Ctrl-C
+(SIGINT) ends any command with one line and exit status 130, SIGTERM with 143 -- also when a library swallowed
+the ``KeyboardInterrupt`` (numba's first compile of the fused kernels: ``fedfeat.report.rundir.interrupt_latch``);
+what the command was writing is left unfinished (a hidden ``.partial-`` run, a store without its complete flag).
 """
 
 from __future__ import annotations
@@ -20,10 +23,16 @@ class _Group(TyperGroup):
     """Prints a ``FedfeatError`` from any subcommand as one line and exits with status 2."""
 
     def invoke(self, ctx):
-        from fedfeat.report.rundir import Interrupted
+        from fedfeat.report.rundir import Interrupted, interrupt_latch, interrupted
 
         try:
-            return super().invoke(ctx)
+            with interrupt_latch():  # Ctrl-C ends every command with 130, even one a library swallowed
+                rv = super().invoke(ctx)
+                if isinstance(interrupted(), KeyboardInterrupt):
+                    raise KeyboardInterrupt
+                if isinstance(interrupted(), Interrupted):
+                    raise Interrupted(15)
+                return rv
         except FedfeatError as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None
@@ -95,6 +104,7 @@ def synth(
     p = dataclasses.replace(PRESETS[preset], seed=seed, **{k: v for k, v in given.items() if v is not None})
     from fedfeat.store.urls import is_url, store_location
 
+    store_location(out, write="--out")  # a URL pathlib collapsed, or a chained URL: one line, nothing written
     if not is_url(out):
         write_synthetic_store(store_location(out), p, force=force, stats=stats, log=typer.echo)
         typer.echo(f"store: {out}")
@@ -185,7 +195,10 @@ def partition(
 ) -> None:
     """Split a store's training set into clients (FedNTD / CLIP2FL algorithms, exact)."""
     from fedfeat.report.stores import partition_command
+    from fedfeat.store.urls import local_path
 
+    export = None if export is None else local_path(export, "--export", "a local file")
+    plot = None if plot is None else local_path(plot, "--plot", "a local file")
     partition_command(
         store,
         scheme=scheme,

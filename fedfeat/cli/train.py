@@ -109,7 +109,9 @@ def register(app: typer.Typer) -> None:
         config: Optional[Path] = typer.Option(
             None, help="A run's config.toml to replay (flags override it)."
         ),
-        out: Optional[Path] = typer.Option(None, help="Parent directory of run directories. Default runs/."),
+        out: Optional[str] = typer.Option(
+            None, help="Parent directory of run directories, local (a URL is refused). Default runs/."
+        ),
         name: Optional[str] = typer.Option(
             None,
             help="Run directory name, one path component (default: method__store__partition__seedS__hash, the "
@@ -233,7 +235,12 @@ def register(app: typer.Typer) -> None:
 
         Unreadable runs are skipped with a warning; the exit status is non-zero only when none is readable."""
         from fedfeat.report.tables import report as make_report
+        from fedfeat.store.urls import local_path
 
+        for r in runs:  # run directories are local: a URL is refused, never read as a folder named 'memory:'
+            local_path(r, "report", "local run directories")
+        if plot is not None:
+            plot = local_path(plot, "--plot", "a local file")
         warn = lambda msg: typer.echo(msg, err=True)  # noqa: E731
         typer.echo(
             make_report(runs, fmt=fmt, plot=plot, all_runs=all_runs, seeds=seeds, best=best, warn=warn)
@@ -261,7 +268,7 @@ def register(app: typer.Typer) -> None:
         set_: Optional[list[str]] = typer.Option(
             None, "--set", help="Hyperparameter key=v1,v2 (repeatable): every value is a grid axis."
         ),
-        out: Optional[Path] = typer.Option(None, help="Parent directory of the runs. Default runs/."),
+        out: Optional[str] = typer.Option(None, help="Parent directory of the runs, local. Default runs/."),
         overwrite: bool = typer.Option(False, "--overwrite", help="Redo finished runs (default: skip them)."),
         fmt: str = typer.Option("markdown", "--format", help="The closing table: markdown, csv or json."),
         quiet: bool = typer.Option(False, "--quiet", help="No per-run lines."),
@@ -301,13 +308,16 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def reproduce(
         name: Optional[str] = typer.Argument(
-            None, help="The table (see --list): fst-cbdg-table1 .. 4, clip2fl-table1, fed-mp-table1(-f1), fedcopl-table1."
+            None,
+            help="The table (see --list): fst-cbdg-table1 .. 4, clip2fl-table1, fed-mp-table1(-f1), fedcopl-table1.",
         ),
         list_: bool = typer.Option(
             False, "--list", help="List the tables (name, title, rows, setting) and exit."
         ),
-        store_root: Path = typer.Option(
-            Path("cache"), help="Where the encoded stores are: ROOT/<dataset>/<backbone>-*.zarr."
+        store_root: str = typer.Option(
+            "cache",
+            help="Where the encoded stores are: ROOT/<dataset>/<backbone>-*.zarr (a folder, or a store URL such "
+            "as s3://bucket/cache; --synthetic builds its stand-ins in a local folder).",
         ),
         synthetic: bool = typer.Option(
             False,
@@ -315,8 +325,12 @@ def register(app: typer.Typer) -> None:
             help="Build synthetic stand-in stores (the numbers then say nothing about data; the title says so).",
         ),
         seeds: int = typer.Option(5, help="Seeds per cell (0 .. N-1)."),
-        rounds: Optional[int] = typer.Option(None, help="Override the paper's round count (the header says so)."),
-        out: Optional[Path] = typer.Option(None, help="Parent of the runs. Default runs/reproduce-NAME."),
+        rounds: Optional[int] = typer.Option(
+            None, help="Override the paper's round count (the header says so)."
+        ),
+        out: Optional[str] = typer.Option(
+            None, help="Parent of the runs, local. Default runs/reproduce-NAME."
+        ),
         fmt: str = typer.Option("markdown", "--format", help="markdown, csv or json."),
         overwrite: bool = typer.Option(
             False, "--overwrite", help="Redo finished runs (default: reuse them)."

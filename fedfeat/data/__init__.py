@@ -9,12 +9,15 @@ May import: ``fedfeat.errors`` only. Nothing here knows of CLIP, stores or train
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from fedfeat.data.base import ImageDataset
 from fedfeat.errors import FedfeatError
 
 __all__ = ["ImageDataset", "open_dataset"]
+
+OPTIONS = {"image_column": str, "label_column": str, "classnames": (str, os.PathLike)}  # hf: and wds: only
 
 
 def open_dataset(name: str, root: str | Path, options: dict | None = None) -> ImageDataset:
@@ -29,7 +32,15 @@ def open_dataset(name: str, root: str | Path, options: dict | None = None) -> Im
         >>> ds.labels("test").dtype
         dtype('int64')
     """
+    if options is not None and not isinstance(options, dict):
+        raise FedfeatError(f"open_dataset options must be a dict, got {type(options).__name__}")
     opts = {k: v for k, v in (options or {}).items() if v is not None}
+    for k, v in opts.items():  # wrong names or types: one line, not a TypeError from deep inside a reader
+        if k not in OPTIONS:
+            raise FedfeatError(f"unknown dataset option {k!r}; known: {', '.join(OPTIONS)}")
+        if not isinstance(v, OPTIONS[k]):
+            want = "a path (str or os.PathLike)" if k == "classnames" else "a column name (str)"
+            raise FedfeatError(f"dataset option {k} = {v!r} must be {want}")
     if name.startswith(("hf:", "wds:")):
         return _open_external(name, Path(root).expanduser(), **opts)
     if opts:

@@ -111,6 +111,7 @@ class HFDataset(ImageDataset):
         else:
             self.class_names = [clean_class_name(n) for n in label_names]
 
+        import pyarrow as pa
         import pyarrow.compute as pc
 
         self.split_sources: dict[str, str] = {}
@@ -129,6 +130,14 @@ class HFDataset(ImageDataset):
             y = np.zeros(0, dtype=np.int64)
             if len(d):
                 col = d.with_format("arrow")[self.label_column]
+                try:  # uint8 .. int64 labels (a plain int column): int64 first, so that a null can be -1
+                    col = col.cast(pa.int64())
+                except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+                    raise FedfeatError(
+                        f"{self.label}: split '{src}' column '{self.label_column}' holds labels that are not "
+                        f"64-bit integers ({str(e).splitlines()[0] if str(e) else type(e).__name__}); choose "
+                        "--label-column"
+                    ) from None
                 y = pc.fill_null(col, -1).to_numpy(zero_copy_only=False).astype(np.int64)
             if not len(y) or (y == -1).all():  # empty, or unlabelled (ImageNet's test): nothing to learn from
                 self.dropped_splits.append(src)
@@ -141,8 +150,9 @@ class HFDataset(ImageDataset):
             _check_labels(
                 y,
                 len(self.class_names),
-                f"{self.label} split '{src}'",
+                f"{self.label} split '{src}' column '{self.label_column}'",
                 "choose --label-column or --classnames to match",
+                names_file=classnames,
             )
             labelled[src] = y
         for split, src in _split_map(list(labelled)).items():
@@ -226,7 +236,7 @@ class HFDataset(ImageDataset):
             f = feats[chosen]
             if isinstance(f, dsm.ClassLabel):
                 return chosen, list(f.names)
-            if not (isinstance(f, dsm.Value) and "int" in str(f.dtype)):
+            if not self._int_column(dsm, f):
                 raise FedfeatError(
                     f"{self.label}: column '{chosen}' is not a ClassLabel or integer column; choose another "
                     "--label-column"
@@ -235,6 +245,10 @@ class HFDataset(ImageDataset):
         cols = [c for c, f in feats.items() if isinstance(f, dsm.ClassLabel)]
         if len(cols) > 1:
             cols = [c for c in ("label", "fine_label") if c in cols][:1] or cols
+        if not cols:  # no ClassLabel: a plain int `label` (then `fine_label`), names from --classnames
+            plain = [c for c in ("label", "fine_label") if c in feats and self._int_column(dsm, feats[c])]
+            if plain:
+                return plain[0], None
         if len(cols) != 1:
             what = f"{len(cols)} ClassLabel columns ({', '.join(cols)})" if cols else "no ClassLabel column"
             raise FedfeatError(
@@ -242,6 +256,11 @@ class HFDataset(ImageDataset):
                 f"(and give class names with --classnames FILE if it is not a ClassLabel; columns: {', '.join(feats)})"
             )
         return cols[0], list(feats[cols[0]].names)
+
+    @staticmethod
+    def _int_column(dsm, f) -> bool:
+        """A plain integer column (``Value("int64")``, ``int32``, ``uint8``, ...): labels that index class names."""
+        return isinstance(f, dsm.Value) and "int" in str(f.dtype)
 
     # ------------------------------------------------------------------ ImageDataset
     def load_image(self, split: str, i: int) -> Image.Image:

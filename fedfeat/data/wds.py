@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import stat
 import tarfile
 import time
 from pathlib import Path
@@ -33,35 +34,73 @@ from fedfeat.data.external import (
     _require,
     _resolve,
     _split_map,
+    expand_pattern,
 )
 from fedfeat.data.files import read_class_names
 from fedfeat.errors import FedfeatError
 
-
 # ---------------------------------------------------------------------------------------- webdataset
+_NSHARDS_MAX_BYTES = 64  # nshards.txt holds one integer
+MAX_LABEL_BYTES = 64  # a label member (.cls) holds one integer
+
+
 def _natural(p: Path) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
 
 
-def _dir_shards(d: Path) -> list[Path]:
-    """A folder's shards: ``{0..N-1}.tar`` when it has CLIP_benchmark's ``nshards.txt``, else its ``*.tar`` in
-    natural order (``2.tar`` before ``10.tar``)."""
-    nfile = d / "nshards.txt"
-    if nfile.is_file():
-        try:
-            n = int(nfile.read_text().strip())
-        except (OSError, ValueError) as e:
-            raise FedfeatError(f"wds: {nfile} does not hold a shard count ({e}); fix or delete it") from None
-        shards = [d / f"{i}.tar" for i in range(n)]
-        missing = [s for s in shards if not s.is_file()]
-        if missing:
-            raise FedfeatError(
-                f"wds: {missing[0]} not found ({nfile} says {n} shards); copy the missing shards"
-            )
-        return shards
+def _dir_tars(d: Path) -> list[Path]:
+    """A folder's ``*.tar`` regular files, in natural order (``2.tar`` before ``10.tar``)."""
     return sorted(
         (d / e.name for e in os.scandir(d) if e.is_file() and e.name.endswith(".tar")), key=_natural
     )
+
+
+def _read_nshards(nfile: Path, present: int) -> int:
+    """CLIP_benchmark's ``nshards.txt``: a decimal shard count. Read as a small regular file (never a FIFO or a
+    huge file); not a plain non-negative integer is one line naming the file."""
+    try:
+        if not stat.S_ISREG(nfile.stat().st_mode):
+            raise FedfeatError(f"wds: {nfile} is not a regular file; delete it (every *.tar is then used)")
+        with open(nfile, "rb") as f:
+            raw = f.read(_NSHARDS_MAX_BYTES + 1)
+    except OSError as e:
+        raise FedfeatError(f"wds: cannot read {nfile} ({e.strerror or e}); fix or delete it") from None
+    text = raw.decode("utf-8", "replace").strip()
+    if len(raw) > _NSHARDS_MAX_BYTES or not re.fullmatch(r"\d{1,18}", text):
+        shown = text[:20] + ("..." if len(text) > 20 else "")
+        raise FedfeatError(
+            f"wds: {nfile} says {shown!r}, not a shard count (a plain integer; the folder holds {present} .tar "
+            "files); fix or delete it (then every *.tar is used)"
+        )
+    return int(text)
+
+
+def _dir_shards(d: Path) -> list[Path]:
+    """A folder's shards: ``{0..N-1}.tar`` when it has CLIP_benchmark's ``nshards.txt``, else its ``*.tar`` in
+    natural order (``2.tar`` before ``10.tar``).
+
+    ``N`` is bounded by the shards present: it is checked against the folder's ``.tar`` files before any name is
+    made, and a count that disagrees (more, or fewer, than the ``.tar`` files there, or ``{0..N-1}.tar`` not the
+    files there) is one line naming the file and both numbers -- never a guess at which shards were meant."""
+    tars = _dir_tars(d)
+    nfile = d / "nshards.txt"
+    if not (nfile.exists() or nfile.is_symlink()):
+        return tars
+    n = _read_nshards(nfile, len(tars))
+    if n != len(tars):
+        raise FedfeatError(
+            f"wds: {nfile} says {n} shards but {d} holds {len(tars)} .tar files; copy the missing shards, or "
+            f"fix nshards.txt (or delete it: then every *.tar is used)"
+        )
+    shards = [d / f"{i}.tar" for i in range(n)]
+    names = {p.name for p in tars}
+    missing = [s for s in shards if s.name not in names]
+    if missing:
+        raise FedfeatError(
+            f"wds: {missing[0]} not found ({nfile} says {n} shards, named 0.tar..{n - 1}.tar; {d} holds {n} .tar "
+            f"files, {len(missing)} of them named otherwise); rename the shards or delete nshards.txt"
+        )
+    return shards
 
 
 def _shard_split(p: Path) -> str:
@@ -138,8 +177,9 @@ class WebDataset(ImageDataset):
                 _check_labels(
                     y,
                     len(self.class_names),
-                    f"wds: shard {path}",
-                    f"fix the shard's '{self.label_key}' entries or the class names ({name_file})",
+                    f"wds: shard {path} ('{self.label_key}')",
+                    f"fix the shard's '{self.label_key}' entries or the class names",
+                    names_file=name_file,
                 )
                 labels.append(y)
             if not rows:
@@ -170,7 +210,7 @@ class WebDataset(ImageDataset):
             return subs, p
         from braceexpand import braceexpand
 
-        expanded = [Path(x) for x in braceexpand(str(p))]
+        expanded = [Path(x) for x in expand_pattern(str(p), braceexpand)]
         missing = [x for x in expanded if not x.is_file()]
         if missing:
             raise FedfeatError(
@@ -260,10 +300,12 @@ class WebDataset(ImageDataset):
                         "needs an image and a label (--image-column / --label-column name other keys)"
                     )
                 off, size = members[self.label_key]
-                raw = os.pread(fd, size, off)
+                raw = os.pread(fd, min(size, MAX_LABEL_BYTES + 1), off)
                 try:
+                    if size > MAX_LABEL_BYTES:
+                        raise ValueError(f"{size} bytes")
                     out["label"][j] = int(raw.decode("utf-8").strip())
-                except (UnicodeDecodeError, ValueError):
+                except (UnicodeDecodeError, ValueError, OverflowError):
                     raise FedfeatError(
                         f"wds: sample '{key}' in {path}: '{self.label_key}' is {raw[:20]!r}, not an integer label; "
                         "fix the shard or name the label key with --label-column"

@@ -28,6 +28,7 @@ convention): the engine does not even hold the training labels in the method's c
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Callable
 
@@ -282,6 +283,16 @@ def run_federated(
 
     ``eval_every`` N: the test evaluation runs at round 0, every N-th round and the last; the other rounds' rows
     have ``test_acc`` None (their training metrics are kept)."""
+    INT, REAL = (
+        numbers.Integral,
+        numbers.Real,
+    )  # the types of the CLI's flags (numpy numbers count, bools do not)
+    for name, v, kind in (("rounds", rounds, INT), ("seed", seed, INT), ("eval_every", eval_every, INT),
+                          ("participation", participation, REAL)):  # fmt: skip
+        if isinstance(v, bool) or not isinstance(v, kind):
+            word = "an integer" if kind is INT else "a number"
+            raise FedfeatError(f"{name} must be {word}, got {v!r:.60} ({type(v).__name__})")
+    rounds, seed, eval_every, participation = int(rounds), int(seed), int(eval_every), float(participation)
     if engine not in ("batched", "loop"):
         raise FedfeatError(f"unknown engine '{engine}'; choose batched or loop")
     if not 0 < participation <= 1:

@@ -7,6 +7,7 @@ import math
 import types
 import typing
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,12 +101,33 @@ def _type_name(typ) -> str:
     return getattr(typ, "__name__", str(typ))
 
 
-def make_params(cls: type[Method], overrides: dict) -> object:
+def _show(v, n: int = 60) -> str:
+    r = repr(v)
+    return r if len(r) <= n else r[: n - 3] + "..."
+
+
+def check_overrides(cls: type[Method], overrides) -> dict:
+    """Hyperparameter overrides for ``cls``, each parsed (a ``--set`` string) or checked (a typed value: a
+    number, a string or a bool, of the field's type; numpy numbers are taken as Python numbers) into its field's
+    type: ``{field name: value}``. ``overrides`` must be a dict with string keys; anything else, an unknown key
+    or a value of the wrong type is one ``FedfeatError`` line naming the key, the type and an example."""
+    if not isinstance(overrides, Mapping):
+        raise FedfeatError(
+            f"hyperparameters of {cls.name} must be a dict, got {type(overrides).__name__} {_show(overrides)}; "
+            f"e.g. get_method({cls.name!r}, {{'lr': 0.01}}) (the CLI's --set lr=0.01)"
+        )
     P = cls.Params
     fields = {f.name: f for f in dataclasses.fields(P)}
     hints = typing.get_type_hints(P)
     kw = {}
     for k, v in overrides.items():
+        if not isinstance(k, str):
+            raise FedfeatError(
+                f"hyperparameter name {_show(k)} of {cls.name} is not a string; valid keys: "
+                f"{', '.join(sorted(fields))}"
+            )
+        if isinstance(v, np.generic):  # numpy numbers and bools: as Python's
+            v = v.item()
         key = k.replace("-", "_")
         if key not in fields:
             raise FedfeatError(
@@ -115,10 +137,16 @@ def make_params(cls: type[Method], overrides: dict) -> object:
             kw[key] = _coerce(fields[key], v, hints)
         except (TypeError, ValueError):
             raise FedfeatError(
-                f"bad value {v!r} for {cls.name}.{key}: expected {_type_name(hints.get(key, fields[key].type))}, "
+                f"bad value {_show(v)} for {cls.name}.{key}: expected {_type_name(hints.get(key, fields[key].type))}, "
                 f"e.g. --set {key}={fields[key].default}"
             ) from None
-    p = P(**kw)
+    return kw
+
+
+def make_params(cls: type[Method], overrides: dict) -> object:
+    """``cls``'s params dataclass with ``overrides`` (``check_overrides``), finite and validated."""
+    kw = check_overrides(cls, overrides)
+    p = cls.Params(**kw)
     for k, v in dataclasses.asdict(p).items():
         if isinstance(v, float) and not math.isfinite(v):
             raise FedfeatError(f"{cls.name}.{k} = {v} is not finite; hyperparameters must be finite numbers")
@@ -128,7 +156,12 @@ def make_params(cls: type[Method], overrides: dict) -> object:
 
 
 def get_method(name: str, overrides: dict | None = None) -> Method:
-    """Instantiate a registered method with hyperparameter overrides (strings are parsed)."""
+    """Instantiate a registered method with hyperparameter overrides (a dict; strings are parsed as ``--set``
+    parses them, other values must have the field's type)."""
+    if not isinstance(name, str):
+        raise FedfeatError(
+            f"method name must be a string, got {type(name).__name__} {_show(name)}; e.g. get_method('fedavg')"
+        )
     if name not in REGISTRY:
         raise FedfeatError(f"unknown method '{name}'; known methods: {', '.join(REGISTRY)}")
     cls = REGISTRY[name]

@@ -4,6 +4,8 @@ seed, and local test splits that follow a training partition's class proportions
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 
 from fedfeat.errors import FedfeatError
@@ -37,6 +39,28 @@ def default_seed(scheme: str, imbalance_factor: float | None = None) -> int:
     if scheme == "dirichlet-joint":
         return FEDCOPL_SEED
     return FEDNTD_SEED
+
+
+_INTS = {"clients": "e.g. clients=10", "shards": "e.g. shards=2", "seed": "e.g. seed=0",
+         "shots": "e.g. shots=10", "n_classes": "the split's number of classes"}  # fmt: skip
+_REALS = {"alpha": "e.g. alpha=0.5", "imbalance_factor": "e.g. imbalance_factor=100"}
+
+
+def _check_types(scheme, **args) -> None:
+    """``make_partition``'s arguments have their types (numpy numbers count; bools and strings do not): one
+    ``FedfeatError`` line naming the argument, as the CLI's flags are typed. Ranges are the schemes' checks."""
+    if not isinstance(scheme, str):
+        raise FedfeatError(
+            f"scheme must be a string, got {type(scheme).__name__} {scheme!r:.60}; choose one of: {', '.join(SCHEMES)}"
+        )
+    for name, v in args.items():
+        if v is None:
+            continue
+        is_bool = isinstance(v, (bool, np.bool_))
+        if name in _INTS and (is_bool or not isinstance(v, numbers.Integral)):
+            raise FedfeatError(f"{name} must be an integer (got {v!r:.60}); {_INTS[name]}")
+        if name in _REALS and (is_bool or not isinstance(v, numbers.Real)):
+            raise FedfeatError(f"{name} must be a number (got {v!r:.60}); {_REALS[name]}")
 
 
 _USES = {  # which optional parameters each scheme takes
@@ -83,6 +107,16 @@ def make_partition(
     >>> partition_key(p), p.sizes().tolist()[:3]
     ('shard-sh2-c10-s19940817', [100, 100, 100])
     """
+    _check_types(
+        scheme,
+        clients=clients,
+        alpha=alpha,
+        shards=shards,
+        imbalance_factor=imbalance_factor,
+        seed=seed,
+        shots=shots,
+        n_classes=n_classes,
+    )
     labels = _labels(labels)
     if scheme not in SCHEMES:
         hint = (

@@ -5,6 +5,7 @@ pandas), ``unfinished_runs`` (interrupted runs with their rounds, checkpoint and
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import tomllib
 
 from fedfeat.errors import FedfeatError
 from fedfeat.report import rundir
-from fedfeat.report.rundir import CHECKPOINT, read_metrics
+from fedfeat.report.rundir import CHECKPOINT, read_metrics, read_regular
 
 SUMMARY_EXTRAS = ("many_acc", "medium_acc", "few_acc", "pseudo_label_acc", "novel_precision", "novel_recall",
                   "novel_f1", "base_acc", "hm", "local_acc", "local_acc_std", "val_acc")  # fmt: skip
@@ -20,27 +21,81 @@ SUMMARY_KEYS = ("method", "partition", "rounds", "initial_acc", "final_acc", "be
                 "bytes_up", "params")  # fmt: skip
 
 
+_NUM = (int, float)
+# the type of every summary key that ``report``, ``load_runs`` and ``reproduce`` read: a run whose summary holds
+# another type (a hand-edited or damaged file) is skipped with a warning naming the file and the key
+SUMMARY_TYPES = {
+    "method": (str,), "partition": (str,), "rounds": (int,), "seed": (int,), "initial_acc": _NUM,
+    "final_acc": _NUM, "best_acc": _NUM, "seconds_per_round": _NUM, "bytes_up": _NUM, "params": (dict,),
+}  # fmt: skip
+OPTIONAL_TYPES = {
+    "name": (str,), "store": (str,), "store_fingerprint": (str,), "clients": (int,), "participation": _NUM,
+    "best_round": (int,), "uses_labels": (bool,), "bytes_down": _NUM, "seconds": _NUM, "engine": (str,),
+    "kernel": (str,), "device": (str,), "best_val_acc": _NUM, "best_val_round": (int,),
+    "test_acc_at_best_val": _NUM, **{k: _NUM for k in SUMMARY_EXTRAS},
+}  # fmt: skip
+TYPE_NAMES = {_NUM: "a number", (int,): "an integer", (str,): "a string", (dict,): "a table (JSON object)",
+              (bool,): "true or false"}  # fmt: skip
+ROW_NUMBERS = ("test_acc", "train_loss", *SUMMARY_EXTRAS)  # per-round values the report plots or tabulates
+
+
+def _type_ok(v, types: tuple) -> bool:
+    if isinstance(v, bool):
+        return bool in types
+    return isinstance(v, types)
+
+
+def _check_summary(s: Path, summary) -> None:
+    if not isinstance(summary, dict):
+        raise FedfeatError(f"{s} holds a JSON {type(summary).__name__}, not a fedfeat summary (an object)")
+    missing = [k for k in SUMMARY_KEYS if k not in summary]
+    if missing:
+        raise FedfeatError(f"{s} lacks the keys of a fedfeat summary ({', '.join(missing)})")
+    for k, types in (*SUMMARY_TYPES.items(), *OPTIONAL_TYPES.items()):
+        if k not in summary or (summary[k] is None and k not in SUMMARY_KEYS):
+            continue
+        if not _type_ok(summary[k], types):
+            raise FedfeatError(f"{s}: key {k!r} is {_describe(summary[k])}, expected {TYPE_NAMES[types]}")
+
+
+def _describe(v) -> str:
+    text = json.dumps(v)
+    return f"{type(v).__name__ if v is not None else 'null'} ({text[:40]}{'...' if len(text) > 40 else ''})"
+
+
 def load_run(path: Path) -> tuple[dict, list[dict]]:
-    """``(summary, metrics)`` of a finished run; a ``FedfeatError`` names what is missing or damaged."""
+    """``(summary, metrics)`` of a finished run; a ``FedfeatError`` names what is missing or damaged: a file that
+    is not a regular file (a FIFO, a socket, a directory: never opened), not JSON, or a key of the wrong type."""
     path = Path(path)
     s = path / "summary.json"
-    if not s.is_file():
+    fix = "re-run it, or delete the directory"
+    if not os.path.lexists(s):
         raise FedfeatError(f"{path} is not a finished run directory (no summary.json)")
     try:
-        summary = json.loads(s.read_text())
-    except (OSError, ValueError) as e:
-        raise FedfeatError(f"{s} is unreadable ({e}); re-run it, or delete the directory") from None
-    if not isinstance(summary, dict) or any(k not in summary for k in SUMMARY_KEYS):
-        raise FedfeatError(f"{s} lacks the keys of a fedfeat summary; re-run it, or delete the directory")
+        summary = json.loads(read_regular(s))
+    except FedfeatError as e:
+        raise FedfeatError(f"{e}; {fix}") from None
+    except ValueError as e:
+        raise FedfeatError(f"{s} is unreadable ({e}); {fix}") from None
+    try:
+        _check_summary(s, summary)
+    except FedfeatError as e:
+        raise FedfeatError(f"{e}; {fix}") from None
     m = path / "metrics.jsonl"
     try:
-        metrics = [json.loads(line) for line in m.read_text().splitlines() if line]
-    except (OSError, ValueError) as e:
-        raise FedfeatError(
-            f"{m} is missing or unreadable ({e}); re-run it, or delete the directory"
-        ) from None
+        metrics = [json.loads(line) for line in read_regular(m).splitlines() if line]
+    except FedfeatError as e:
+        raise FedfeatError(f"{e}; {fix}") from None
+    except ValueError as e:
+        raise FedfeatError(f"{m} is unreadable ({e}); {fix}") from None
     if not metrics or not all(isinstance(r, dict) and "round" in r and "test_acc" in r for r in metrics):
-        raise FedfeatError(f"{m} holds no per-round rows; re-run it, or delete the directory")
+        raise FedfeatError(f"{m} holds no per-round rows; {fix}")
+    for i, r in enumerate(metrics):
+        bad = [k for k in ROW_NUMBERS if r.get(k) is not None and not _type_ok(r[k], _NUM)]
+        if not _type_ok(r["round"], (int,)) or bad:
+            k = bad[0] if bad else "round"
+            want = "an integer" if k == "round" else "a number or null"
+            raise FedfeatError(f"{m}: row {i + 1}, key {k!r} is {_describe(r[k])}, expected {want}; {fix}")
     return summary, metrics
 
 
@@ -114,12 +169,14 @@ def unfinished_runs(parents: list[Path]) -> list[dict]:
             name = q.name[len(rundir.PARTIAL) :]
             row = {"name": name, "path": str(parent / name), "method": "?", "rounds": "?", "recorded": 0}
             try:
-                run = tomllib.loads((q / "config.toml").read_text()).get("run", {})
-                row.update(method=run.get("method", "?"), rounds=run.get("rounds", "?"))
-            except (OSError, ValueError):
+                run = tomllib.loads(read_regular(q / "config.toml")).get("run", {})
+                row.update(method=str(run.get("method", "?")), rounds=str(run.get("rounds", "?")))
+            except (FedfeatError, ValueError, AttributeError):
                 pass
-            if (q / "metrics.jsonl").is_file():
+            try:
                 row["recorded"] = max(0, len(read_metrics(q / "metrics.jsonl")) - 1)
+            except FedfeatError:
+                pass
             ck = q / CHECKPOINT
             try:
                 row["checkpoint"] = int(checkpoint.read_meta(ck)["round"]) if ck.is_file() else None

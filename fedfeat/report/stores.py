@@ -6,6 +6,7 @@ Library functions here take paths and options and print with ``rich``; the CLI c
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,10 @@ def _console() -> Console:
     return Console(highlight=False, soft_wrap=False, width=120)
 
 
+def _stderr_line(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
 def _human_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
@@ -33,12 +38,15 @@ def _human_bytes(n: int) -> str:
 def print_store_info(path: str | Path, *, as_json: bool = False, verify: bool = False) -> None:
     """``fedfeat info``: attributes, split sizes, partitions of a store (incomplete ones included).
 
-    Opens the store read-only (works on read-only filesystems, writes nothing). ``verify``: first check
-    every written chunk, the labels and the text features against their checksums and for finite values
-    (``FeatureStore.verify``); a damaged store is a one-line error naming the split, chunk and rows.
+    Opens the store read-only (works on read-only filesystems, writes nothing). ``verify``: first check every
+    attribute against the arrays (shapes, dtypes, counts, class ids, fingerprint fields, partitions), then every
+    written chunk, the labels, the text features and the partitions against their checksums and for finite
+    values (``FeatureStore.verify``). Each attribute disagreement is printed on stderr, one line each, before the
+    one-line error; a damaged chunk is a one-line error naming the split, chunk and rows. Without ``verify``, a
+    store whose attributes disagree with its arrays' shapes is refused in one line (as ``train`` refuses it).
     """
-    st = FeatureStore.open(path, allow_incomplete=True)
-    checked = st.verify() if verify else None
+    st = FeatureStore.open(path, allow_incomplete=True, check=not verify)
+    checked = st.verify(log=_stderr_line) if verify else None
     try:
         summ = st.summary()
     except OSError as e:
@@ -79,7 +87,8 @@ def print_store_info(path: str | Path, *, as_json: bool = False, verify: bool = 
             "verified",
             f"{checked['chunks']} feature chunks ({checked['rows']} rows), labels"
             + (", text features" if checked.get("text") else "")
-            + ": checksums match, all finite",
+            + ": checksums match, all finite; attributes agree with the arrays"
+            + (f"; {len(summ['partitions'])} partition(s) match" if summ["partitions"] else ""),
         )
     if "synthetic_stats" in a:
         s = a["synthetic_stats"]

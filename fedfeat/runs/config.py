@@ -15,8 +15,10 @@ import math
 import os
 import re
 import shlex
+import stat
 import subprocess
 import sys
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,7 +104,9 @@ class RunConfig:
     )
     eval_every: int = DEFAULTS["eval_every"]  # evaluate at round 0, every N-th round and the last
     local_test: str | None = None  # none | proportional | joint: per-client test splits (FedCoPL)
-    val_split: float | None = None  # fraction of each test class held out for validation (val_acc; report --best)
+    val_split: float | None = (
+        None  # fraction of each test class held out for validation (val_acc; report --best)
+    )
     class_order: str | None = None  # disjoint-classes' class list: preset (default with --preset) | store
     pretrained: str | None = (
         None  # prompt methods: where the store's checkpoint is (default: where encode read it)
@@ -120,58 +124,208 @@ def parse_sets(sets: list[str] | None) -> dict:
     return out
 
 
+# ------------------------------------------------------------------ types of TOML values (config and grid files)
+INT64 = (-(2**63), 2**63 - 1)  # TOML's integers are 64-bit (tomllib reads any size)
+MAX_TOML_BYTES = 1 << 20  # a config or grid file is a few KB of TOML; a bigger one is not one
+_TYPE_WORDS = {int: "an integer", float: "a number", str: "a string"}
+_EXAMPLES = {int: "10", float: "0.5", str: '"text"'}
+_SCALAR_EXAMPLE = "a number, a string or true/false"
+
+
+def toml_kind(v) -> str:
+    """What a TOML value is, in words: ``a table``, ``an array``, ``a boolean``, ..."""
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, int):
+        return "an integer"
+    if isinstance(v, float):
+        return "a number"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, dict):
+        return "a table"
+    if isinstance(v, list):
+        return "an array of tables" if v and all(isinstance(x, dict) for x in v) else "an array"
+    return "a date/time" if type(v).__module__ == "datetime" else type(v).__name__
+
+
+def short(v, n: int = 40) -> str:
+    """A value as TOML spells it (``true``, ``"text"``, ``3``; tables and arrays as Python shows them), cut to
+    ``n`` characters: a value in an error line."""
+    if isinstance(v, bool):
+        r = "true" if v else "false"
+    elif isinstance(v, str):
+        r = json.dumps(v)
+    else:
+        r = repr(v)
+    return r if len(r) <= n else r[: n - 3] + "..."
+
+
+def key_text(k) -> str:
+    """A TOML key as TOML writes it: bare when it can be, else quoted (a key with a newline stays one line)."""
+    k = str(k)
+    return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else json.dumps(k)
+
+
+def check_setting(key: str, v, where: str, shown: str | None = None) -> None:
+    """A run setting's TOML value has the setting's type (``TYPES``; a string otherwise): one line naming
+    ``where`` (the file and table), the key and the type it takes."""
+    want = TYPES.get(key, str)
+    if want is float:
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    else:
+        ok = isinstance(v, want) and not isinstance(v, bool)
+    if ok and isinstance(v, int) and not INT64[0] <= v <= INT64[1]:
+        raise FedfeatError(
+            f"{where}: {shown or key} = {short(v)} does not fit in 64 bits; give a smaller integer"
+        )
+    if not ok:
+        raise FedfeatError(
+            f"{where}: {shown or key} = {short(v)} is {toml_kind(v)}, but {key} takes {_TYPE_WORDS[want]} "
+            f"(e.g. {key} = {_EXAMPLES[want]})"
+        )
+
+
 def _check_types(run: dict, where: str) -> None:
     for k, v in run.items():
-        if v is None:
-            continue
-        want = TYPES.get(k, str)
-        ok = isinstance(v, want) and not isinstance(v, bool)
-        if want is float:
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-        if not ok:
-            example = {"float": "0.5", "int": "10"}.get(want.__name__, '"text"')
-            raise FedfeatError(f"{where}: {k} = {v!r} must be a {want.__name__} (e.g. {k} = {example})")
+        if v is not None:
+            check_setting(k, v, where)
 
 
-def _read_config(config_file: Path) -> dict:
-    path = Path(config_file)
-    if path.is_dir():
+def check_param_value(key: str, v, where: str) -> None:
+    """A hyperparameter's TOML value is a scalar (every method's params are numbers, strings or booleans)."""
+    key = key_text(key)
+    if isinstance(v, dict | list) or not isinstance(v, (bool, int, float, str)):
         raise FedfeatError(
-            f"--config {path} is a directory; pass a config.toml file (e.g. {path}/config.toml)"
+            f"{where}: {key} = {short(v)} is {toml_kind(v)}, but a hyperparameter takes {_SCALAR_EXAMPLE} "
+            f"(e.g. {key} = 0.01)"
+        )
+    if isinstance(v, int) and not isinstance(v, bool) and not INT64[0] <= v <= INT64[1]:
+        raise FedfeatError(f"{where}: {key} = {short(v)} does not fit in 64 bits; give a smaller integer")
+
+
+def check_method_params(methods, params: dict, where: str, strict: bool = False) -> None:
+    """Each hyperparameter in ``params`` (TOML-typed) has the type its field has in every method of ``methods``
+    that has such a field (unknown method names are left to ``get_method``). With ``strict`` (one method: a
+    config file), a key the method lacks is refused too; a sweep skips such keys for that method."""
+    from fedfeat.methods import REGISTRY
+    from fedfeat.methods.base import _coerce, _type_name
+
+    for name in methods:
+        cls = REGISTRY.get(name) if isinstance(name, str) else None
+        if cls is None:
+            continue
+        fields = {f.name: f for f in dataclasses.fields(cls.Params)}
+        hints = typing.get_type_hints(cls.Params)
+        for k, v in params.items():
+            f = fields.get(str(k).replace("-", "_"))
+            if f is None:
+                if strict:
+                    raise FedfeatError(
+                        f"{where}: method {name} has no hyperparameter {key_text(k)}; valid keys: {', '.join(sorted(fields))}"
+                    )
+                continue
+            try:
+                _coerce(f, v, hints)
+            except (TypeError, ValueError):
+                eg = f" (e.g. {f.name} = {_toml_value(f.default)})" if f.default is not None else ""
+                raise FedfeatError(
+                    f"{where}: {key_text(k)} = {short(v)} is {toml_kind(v)}, but {name}'s {f.name} takes "
+                    f"{_type_name(hints.get(f.name, f.type))}{eg}"
+                ) from None
+
+
+def read_toml(path: str | os.PathLike, what: str, example: str) -> dict:
+    """A TOML file as a dict, or one line: missing, a directory or other non-regular file, too big, not UTF-8,
+    not TOML, or empty. ``what`` names the file's role (``config file``, ``grid file``)."""
+    p = Path(path)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise FedfeatError(f"{what} {p} not found; {example}") from None
+    except OSError as e:
+        raise FedfeatError(f"cannot read {what} {p}: {e.strerror or e}; {example}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise FedfeatError(f"{what} {p} is a directory; {example}")
+    if not stat.S_ISREG(st.st_mode):
+        raise FedfeatError(f"{what} {p} is not a regular file (a FIFO, socket or device); {example}")
+    if st.st_size > MAX_TOML_BYTES:
+        raise FedfeatError(
+            f"{what} {p} is {st.st_size} bytes, more than a TOML settings file holds "
+            f"({MAX_TOML_BYTES} at most); {example}"
         )
     try:
-        return tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise FedfeatError(f"config file {path} not found; pass the config.toml of a run") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise FedfeatError(f"cannot read config file {path}: {e}; pass a TOML text file") from None
+        text = p.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise FedfeatError(f"cannot read {what} {p}: {e.strerror or e}; {example}") from None
+    except UnicodeDecodeError as e:
+        raise FedfeatError(
+            f"{what} {p} is not UTF-8 text (byte {e.start}: {e.reason}); pass a TOML text file"
+        ) from None
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise FedfeatError(f"config file {path} is not valid TOML: {e}; fix the line it names") from None
+        raise FedfeatError(f"{what} {p} is not valid TOML: {e}; fix the line it names") from None
+    if not data:
+        raise FedfeatError(f"{what} {p} is empty (no settings); {example}")
+    return data
 
 
-def resolve_config(cli: dict, config_file: Path | None, sets: list[str] | None) -> RunConfig:
+_CONFIG_EXAMPLE = "pass a config.toml: [run] settings (rounds = 10) and [params] hyperparameters (lr = 0.01)"
+
+
+def _read_config(config_file: str | os.PathLike) -> dict:
+    """A ``--config`` file -> ``{"run": settings, "params": hyperparameters}``, every key's type checked: a run's
+    ``config.toml`` (``[run]`` + ``[params]``) or the same settings at the top level (+ ``[params]``)."""
+    path = Path(config_file)
+    where = f"config file {path}"
+    data = read_toml(path, "config file", _CONFIG_EXAMPLE)
+    if "run" in data:
+        run = data["run"]
+        if not isinstance(run, dict):
+            raise FedfeatError(
+                f"{where}: run = {short(run)} is {toml_kind(run)}, but [run] is a table of settings "
+                "(e.g. [run] then rounds = 10)"
+            )
+        extra = sorted(set(data) - {"run", "params"})
+        if extra:
+            raise FedfeatError(
+                f"{where}: unknown top-level keys {extra} beside [run]; put settings under [run] and "
+                "hyperparameters under [params]"
+            )
+        table = "[run]"
+    else:
+        run = {k: v for k, v in data.items() if k != "params"}
+        table = "top level"
+    unknown = sorted(set(run) - set(DEFAULTS))
+    if unknown:
+        raise FedfeatError(f"{where}: unknown keys {unknown} ({table}); valid: {sorted(DEFAULTS)}")
+    _check_types(run, f"{where} {table}")
+    params = data.get("params", {})
+    if not isinstance(params, dict):
+        raise FedfeatError(
+            f"{where}: params = {short(params)} is {toml_kind(params)}, but [params] is a table of "
+            "hyperparameters (e.g. [params] then lr = 0.01)"
+        )
+    for k, v in params.items():
+        check_param_value(k, v, f"{where} [params]")
+    return {"run": run, "params": params}
+
+
+def resolve_config(cli: dict, config_file: str | os.PathLike | None, sets: list[str] | None) -> RunConfig:
     """Defaults <- config file <- explicit flags (``None`` in ``cli`` means "not given").
 
     A config file's ``store_fingerprint`` is kept only when ``--store`` is not given: replaying a run checks that
-    its store is the same, while pointing the run at another store on purpose does not."""
+    its store is the same, while pointing the run at another store on purpose does not. Every key of the file is
+    type-checked (``_read_config``); its hyperparameters against the method's fields."""
     merged = dict(DEFAULTS)
     params: dict = {}
+    run: dict = {}
     if config_file is not None:
         data = _read_config(config_file)
-        run = data.get("run", data)
-        if not isinstance(run, dict):
-            raise FedfeatError(f"config file {config_file}: [run] must be a table of settings")
-        unknown = set(run) - set(DEFAULTS) - {"method_params", "params"}
-        if unknown:
-            raise FedfeatError(
-                f"config file {config_file}: unknown keys {sorted(unknown)}; valid: {sorted(DEFAULTS)}"
-            )
-        run = {k: v for k, v in run.items() if k in DEFAULTS}
-        _check_types(run, f"config file {config_file}")
+        run = data["run"]
         merged.update(run)
-        if not isinstance(data.get("params", {}), dict):
-            raise FedfeatError(f"config file {config_file}: [params] must be a table of key = value")
-        params.update(data.get("params", {}))
+        params.update(data["params"])
     given = {k: v for k, v in cli.items() if v is not None}
     unknown = sorted(set(given) - set(DEFAULTS))
     if unknown:
@@ -179,6 +333,9 @@ def resolve_config(cli: dict, config_file: Path | None, sets: list[str] | None) 
             f"unknown run settings {unknown}; valid: {sorted(k for k in DEFAULTS if k != 'store_fingerprint')}"
         )
     _check_types(given, "flags")
+    if params:
+        where = f"config file {config_file} [params]"
+        check_method_params([given.get("method", merged["method"])], params, where, strict=True)
     preset = given.get("preset", merged.get("preset"))
     if preset is not None:  # the preset's settings, under anything the config file or the flags say
         from fedfeat.partition.openvocab import PRESET_RUN, PRESETS
@@ -186,7 +343,7 @@ def resolve_config(cli: dict, config_file: Path | None, sets: list[str] | None) 
         if preset not in PRESETS:
             raise FedfeatError(f"unknown preset '{preset}'; known presets: {', '.join(PRESETS)}")
         base = {**PRESET_RUN, "partition_seed": PRESETS[preset]["seed"]}
-        file_keys = set(run) if config_file is not None else set()
+        file_keys = set(run)
         merged.update({k: v for k, v in base.items() if k not in file_keys})
     if "store" in given:
         merged["store_fingerprint"] = None
@@ -222,7 +379,10 @@ def validate_config(cfg: RunConfig) -> None:
     ):
         bad("imbalance_factor", f"must be a finite number >= 1, got {cfg.imbalance_factor} (e.g. 100)")
     if cfg.val_split is not None and not (math.isfinite(cfg.val_split) and 0 <= cfg.val_split < 1):
-        bad("val_split", f"must be in [0, 1), got {cfg.val_split} (e.g. 0.2: 20 % of each test class validates)")
+        bad(
+            "val_split",
+            f"must be in [0, 1), got {cfg.val_split} (e.g. 0.2: 20 % of each test class validates)",
+        )
     if cfg.shards is not None and cfg.shards < 1:
         bad("shards", f"must be >= 1, got {cfg.shards}")
     if cfg.shots is not None and cfg.shots < 1:

@@ -81,7 +81,7 @@ def store_path(out: str | Path, dataset: str, backbone: str, weights: str) -> Pa
         PosixPath('cache/cifar10/ViT-B-32-openai.zarr')
     """
     label = Path(weights).stem if Path(weights).suffix in backbones.CHECKPOINT_SUFFIXES else weights
-    base = store_location(out)  # a local Path (file:// URLs too) or a URL string
+    base = store_location(out, write="--out")  # a local Path (file:// URLs too) or a URL string
     name = f"{_safe(dataset)}/{_safe(backbone)}-{_safe(label)}.zarr"
     return base / name if isinstance(base, Path) else f"{base}/{name}"
 
@@ -457,6 +457,9 @@ def encode(
                     f"skipped {sum(len(v) for v in skipped.values())} unreadable image(s): label -1, "
                     "listed in the store's 'skipped' attribute"
                 )
+            from fedfeat.report.rundir import check_interrupt
+
+            check_interrupt()  # a Ctrl-C that something swallowed: the store stays incomplete (resumable)
             st.mark_complete()
             say(
                 f"{path} complete: {', '.join(f'{s} {st.n(s)}' for s in st.splits)} images, "

@@ -35,8 +35,12 @@ Tables (the paper's numbers are transcribed from ``../shared/papers``; the setti
   cached-feature path) are added (not in the paper).
 
 A table reports its ``metric`` (a key of the runs' ``summary.json``: ``final_acc``, ``local_acc``,
-``novel_f1`` ...), named in its header. A cell that cannot run is ``n/a`` with the reason printed under the table,
-never a crash: a partition the partitioner cannot draw (``drawable``); a row fedfeat does not have; a prompt
+``novel_f1`` ...), named in its header. A store that is there but unusable (an empty folder, damaged or
+unfinished, synthetic, of another backbone, class count or D) is a one-line error naming it, and so is a table in
+which no cell has a number for a reason other than the two documented ones (a row fedfeat does not have, a
+partition that cannot be drawn): never a table of n/a with status 0. ``--store-root`` may be a store URL (the
+stores are read there; ``--synthetic`` builds its stand-ins in a local folder). A cell that cannot run is ``n/a``
+with the reason printed under the table, never a crash: a partition the partitioner cannot draw (``drawable``); a row fedfeat does not have; a prompt
 method (``needs_live_text``: ``promptfl``, ``fedtpg``, ``fedcopl``, ``pfedprompt``, ``fedopt``) on a store without a
 live encoder or whose encoder cannot be rebuilt here (weights not cached); ``fedcopl`` / ``fedopt`` on a store
 without pixels (``encode --pixels``); a run its method refuses.
@@ -53,6 +57,8 @@ is a stand-in, not a reproduction. ``fedfeat reproduce --list`` lists the tables
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -189,26 +195,112 @@ def build_hint(table: Table, dataset: str, root: Path) -> str:
     return "`" + table.make_target.format(dataset=dataset, root=root, format=fmt, data=data)
 
 
-def find_store(root: Path, dataset: str, backbone: str, table: Table, synthetic: bool, log) -> Path:
+def _classes_of(dataset: str) -> int | None:
+    """How many classes ``dataset`` has (its stand-in shapes, which follow the dataset; None: not known here)."""
+    ks = {shape.get("classes") for (ds, _), shape in SYNTH_SHAPES.items() if ds == dataset}
+    return ks.pop() if len(ks) == 1 else None
+
+
+def _store_problem(path, dataset: str, backbone: str) -> str | None:
+    """What is wrong with ``path`` as the ``backbone`` store of ``dataset`` (None: nothing): not a store (an empty
+    folder, a copy cut short), damaged or unfinished, a synthetic store, another backbone, the wrong class count
+    or embedding size."""
+    from fedfeat.store.featurestore import FeatureStore
+
+    try:
+        st = FeatureStore.open(path)  # a fedfeat store, complete, its metadata readable
+    except FedfeatError as e:
+        return str(e)
+    a = st.attrs
+    got = str(a.get("backbone"))
+    if got == "synthetic":
+        return (
+            f"store {path} is a synthetic store, not {backbone} features of {dataset}; run with --synthetic for "
+            "stand-ins, or encode the dataset"
+        )
+    safe = re.sub(r"[^A-Za-z0-9._+-]+", "_", got).strip("._")  # as `fedfeat encode` names its store files
+    if safe not in (backbone, f"{backbone}-quickgelu"):
+        return (
+            f"store {path} holds {got} features, not {backbone}; encode {dataset} with --backbone {backbone}"
+        )
+    k, want = len(a.get("class_names") or ()), _classes_of(dataset)
+    if want is not None and k != want:
+        return f"store {path} has {k} classes, {dataset} has {want}; is it another dataset's store?"
+    dim = (SYNTH_SHAPES.get((dataset, backbone)) or {}).get("dim")
+    if dim is not None and a.get("embed_dim") != dim:
+        return f"store {path} has D = {a.get('embed_dim')}, {backbone} gives D = {dim}; re-encode it"
+    return None
+
+
+def _candidates(root: Path | str, dataset: str, backbone: str) -> list:
+    """``ROOT/<dataset>/<backbone>-*.zarr`` (``fedfeat encode``'s names), local or at a store URL."""
+    if isinstance(root, str):  # a URL (fsspec): the stores are read there
+        from fedfeat.store.urls import url_filesystem
+
+        fs, p = url_filesystem(f"{root}/{dataset}")
+        try:
+            names = [n.rstrip("/").rsplit("/", 1)[-1] for n in fs.ls(p, detail=False)]
+        except FileNotFoundError:
+            names = []
+        except OSError as e:
+            raise FedfeatError(
+                f"cannot list {root}/{dataset}: {e}; check the URL and your credentials"
+            ) from None
+        return sorted(f"{root}/{dataset}/{n}" for n in names if fnmatch.fnmatchcase(n, f"{backbone}-*.zarr"))
+    d = root / dataset
+    return sorted(d.glob(f"{backbone}-*.zarr")) if d.is_dir() else []
+
+
+def find_store(
+    root: Path | str, dataset: str, backbone: str, table: Table, synthetic: bool, log
+) -> Path | str:
     """The store of ``dataset`` under ``root``: a stand-in built on first use (``synthetic``), else the encoded
-    one; a missing store is a one-line error naming the make target that builds it."""
+    one (``ROOT/<dataset>/<backbone>-*.zarr``: the first that is a complete store of ``backbone`` features of
+    ``dataset``'s classes). A missing store is a one-line error naming the make target that builds it; one that
+    is there but unusable (an empty folder, damaged, unfinished, of another backbone or class count) is a one-line
+    error naming it and what is wrong -- never a table of n/a."""
     if synthetic:
+        from fedfeat.store.featurestore import FeatureStore, fingerprint_hash
         from fedfeat.store.synth import SynthParams, write_synthetic_store
         from fedfeat.store.urls import is_store
 
+        params = SynthParams(**SYNTH_SHAPES[(dataset, backbone)])
         path = root / f"synth-{dataset}-{backbone.lower()}.zarr"
-        if not is_store(path):
-            log(f"building the synthetic stand-in {path} (its numbers say nothing about real {dataset})")
-            write_synthetic_store(path, SynthParams(**SYNTH_SHAPES[(dataset, backbone)]), stats=False,
-                                  log=lambda *a: None)  # fmt: skip
+        if is_store(path):
+            try:
+                st = FeatureStore.open(path, allow_incomplete=True)
+            except FedfeatError as e:
+                raise FedfeatError(
+                    f"stand-in {e}; delete it (it is rebuilt) or pass another --store-root"
+                ) from None
+            want = fingerprint_hash({"generator": "fedfeat.store.synth", **dataclasses.asdict(params)})
+            if st.complete and st.attrs.get("fingerprint_hash") != want:
+                raise FedfeatError(
+                    f"{path} is not the stand-in this table needs (another synthetic store, or other parameters); "
+                    "delete it (it is rebuilt) or pass another --store-root"
+                )
+            if st.complete:
+                return path
+        log(f"building the synthetic stand-in {path} (its numbers say nothing about real {dataset})")
+        write_synthetic_store(path, params, stats=False, log=lambda *a: None)
         return path
-    found = sorted((root / dataset).glob(f"{backbone}*.zarr")) if (root / dataset).is_dir() else []
+    found = _candidates(root, dataset, backbone)
     if not found:
         raise FedfeatError(
             f"no {backbone} store of {dataset} under {root}/{dataset}/; build it with "
             f"{build_hint(table, dataset, root)}, pass --store-root, or run with --synthetic"
         )
-    return found[0]
+    problems = []
+    for path in found:
+        why = _store_problem(path, dataset, backbone)
+        if why is None:
+            return path
+        problems.append(why)
+    more = f" ({len(found) - 1} other candidate(s) unusable too)" if len(found) > 1 else ""
+    raise FedfeatError(
+        f"no usable {backbone} store of {dataset} under {root}/{dataset}/: {problems[0]}{more}; rebuild it with "
+        f"{build_hint(table, dataset, root)}, or pass --store-root"
+    )
 
 
 def drawable(table: Table, stores: dict[str, Path]) -> dict[int, str]:
@@ -220,8 +312,9 @@ def drawable(table: Table, stores: dict[str, Path]) -> dict[int, str]:
     bad = {}
     for c, col in enumerate(table.columns):
         cfg = resolve_config({**table.fixed, **col.settings, "store": str(stores[col.dataset])}, None, None)
+        store = open_store(cfg)  # a store that does not open is an error, not an undrawable column
         try:  # inside the sweep's session: the partition is computed once, here, and reused by its runs
-            run_partition(open_store(cfg), cfg, False)
+            run_partition(store, cfg, False)
         except FedfeatError as e:
             bad[c] = str(e)
     return bad
@@ -525,6 +618,30 @@ def render(
     return head + "\n\n" + _table(cols, rows, fmt) + ("\n" + notes if notes else "")
 
 
+def _refuse_empty(
+    name: str, table: Table, summaries: list, where: dict, skipped: dict, blocked: dict, synthetic: bool
+) -> None:
+    """A table in which no cell has a number is an error (one line naming why), unless every cell is n/a for a
+    documented reason: a row fedfeat does not have, a column whose partition cannot be drawn. A table with some
+    numbers prints, whatever its other cells say."""
+    if any(summaries[i] is not None and summaries[i].get(table.metric) is not None
+           for idx in where.values() for i in idx):  # fmt: skip
+        return
+    for (r, c), idx in sorted(where.items()):
+        row = table.rows[r]
+        if row.method is None or (c in skipped and not row.once_per_dataset):
+            continue
+        why = blocked.get((r, c)) or (f"its runs record no {table.metric}" if idx else "it was not run")
+        raise FedfeatError(
+            f"reproduce {name}: no cell has a number (e.g. {row.label} in {table.columns[c].label}: {why}); "
+            + (
+                "nothing was measured"
+                if synthetic
+                else "check the stores under --store-root, or run with --synthetic"
+            )
+        )
+
+
 def reproduce(
     name: str,
     *,
@@ -552,7 +669,15 @@ def reproduce(
         # a stand-in's classes are class_000 ...: the preset's class list cannot be matched by name, the store's
         # order is drawn from (--class-order store)
         table = dataclasses.replace(table, fixed={**table.fixed, "class_order": "store"})
-    root = Path(store_root)
+    from fedfeat.store.urls import local_path, store_location
+
+    if synthetic:  # stand-ins are built locally; encoded stores may be read at a URL
+        root = local_path(
+            store_root, "--store-root", "a local folder with --synthetic (stand-ins are built in it)"
+        )
+    else:
+        root = store_location(store_root)
+    out = None if out is None else local_path(out, "--out", "a local directory for the table's runs")
     stores = {
         c.dataset: find_store(root, c.dataset, table.backbone, table, synthetic, log) for c in table.columns
     }
@@ -625,6 +750,7 @@ def reproduce(
             for i, p in zip(idx, got):
                 paths[i] = p
     summaries = [None if p is None else load_run(p)[0] for p in paths]
+    _refuse_empty(name, table, summaries, where, skipped, blocked, synthetic)
     return render(
         table, summaries, where, synthetic, fmt, skipped, blocked, rounds=rounds, live_note=live_note
     )

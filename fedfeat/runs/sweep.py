@@ -39,9 +39,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 from pathlib import Path
-
-import tomllib
 
 from fedfeat.errors import FedfeatError
 from fedfeat.runs.session import active, session
@@ -61,7 +60,9 @@ def expand(grid: dict | None = None, params: dict | None = None, cells: list[dic
     grid's keys in the order given, then its params.
 
     ``cells`` is a list of tables (settings that vary together; a cell's ``params`` table adds hyperparameters), or
-    a dict of such lists (``[[cells.methods]]``, ``[[cells.partitions]]``), which are crossed."""
+    a dict of such lists (``[[cells.methods]]``, ``[[cells.partitions]]``), which are crossed. Every key and value
+    is type-checked first (``check_grid``): a wrong one is a one-line ``FedfeatError``."""
+    check_grid(grid, params, cells, fixed, fixed_params, where="sweep grid")
     grid, params = dict(grid or {}), dict(params or {})
     axes = list(cells.values()) if isinstance(cells, dict) else [cells or [{}]]
     combos = []
@@ -110,29 +111,170 @@ def parse_values(key: str, text: str, typ=str) -> list:
     return out
 
 
-def read_grid(path: str | Path) -> dict:
-    """A grid TOML file (module docstring) -> ``expand``'s keyword arguments."""
+_GRID_EXAMPLE = (
+    "pass a grid TOML file: [fixed] settings, [grid] value lists, [[cells]] tables (fedfeat/runs/sweep.py)"
+)
+TABLES = ("fixed", "grid", "cells")
+
+
+def read_grid(path: str | os.PathLike) -> dict:
+    """A grid TOML file (module docstring) -> ``expand``'s keyword arguments. Every table, key and value is
+    type-checked (``check_grid``): a wrong one is one line naming the file, the table, the key and the type."""
+    from fedfeat.runs.config import read_toml, short, toml_kind
+
     p = Path(path)
-    try:
-        data = tomllib.loads(p.read_text())
-    except FileNotFoundError:
-        raise FedfeatError(f"grid file {p} not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise FedfeatError(f"cannot read grid file {p}: {e}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise FedfeatError(f"grid file {p} is not valid TOML: {e}; fix the line it names") from None
-    unknown = set(data) - {"fixed", "grid", "cells"}
+    where = f"grid file {p}"
+    data = read_toml(p, "grid file", _GRID_EXAMPLE)
+    unknown = set(data) - set(TABLES)
     if unknown:
-        raise FedfeatError(f"grid file {p}: unknown tables {sorted(unknown)}; use [fixed], [grid], [[cells]]")
-    fixed = dict(data.get("fixed", {}))
-    grid = dict(data.get("grid", {}))
-    return {
+        raise FedfeatError(f"{where}: unknown tables {sorted(unknown)}; use [fixed], [grid], [[cells]]")
+    for t in ("fixed", "grid"):
+        if not isinstance(data.get(t, {}), dict):
+            v = data[t]
+            raise FedfeatError(
+                f"{where}: {t} = {short(v)} is {toml_kind(v)}, but [{t}] is a table of settings "
+                f"(e.g. [{t}] then {'seed = [0, 1]' if t == 'grid' else 'rounds = 10'})"
+            )
+    fixed, grid = dict(data.get("fixed", {})), dict(data.get("grid", {}))
+    for t, tbl in (("fixed", fixed), ("grid", grid)):
+        if not isinstance(tbl.get("params", {}), dict):
+            v = tbl["params"]
+            raise FedfeatError(
+                f"{where} [{t}]: params = {short(v)} is {toml_kind(v)}, but [{t}.params] is a table of "
+                "hyperparameters (e.g. [{t}.params] then lr = 0.01)".replace("{t}", t)
+            )
+    kw = {
         "grid": {k: v for k, v in grid.items() if k != "params"},
         "params": grid.get("params", {}),
         "cells": data.get("cells"),
         "fixed": {k: v for k, v in fixed.items() if k != "params"},
         "fixed_params": fixed.get("params", {}),
     }
+    check_grid(**kw, where=where)
+    return kw
+
+
+def _settings(tbl: dict, where: str, axis: bool) -> None:
+    """Run settings: known keys, each value of its type (``axis``: a value or a non-empty list of values)."""
+    from fedfeat.runs.config import DEFAULTS, TYPES, check_setting, key_text, short
+
+    for k, v in tbl.items():
+        if k not in DEFAULTS:
+            raise FedfeatError(
+                f"{where}: unknown key {key_text(k)}; valid: {', '.join(sorted(DEFAULTS))} (and a params table)"
+            )
+        typ = TYPES.get(k, str)
+        if axis and isinstance(v, str) and typ is not str:
+            try:
+                vals = parse_values(k, v, typ)
+            except FedfeatError:
+                vals = None
+            eg = short(vals, 60) if vals else "[1, 2]" if typ is int else "[0.1, 0.5]"
+            raise FedfeatError(
+                f"{where}: {k} = {short(v)} is a string, but {k} takes a list of "
+                f"{'integers' if typ is int else 'numbers'} (e.g. {k} = {eg})"
+            )
+        if isinstance(v, list) and axis:
+            if not v:
+                raise FedfeatError(f"{where}: {k} = [] is empty; give at least one value (e.g. {k} = [...])")
+            for i, x in enumerate(v):
+                check_setting(k, x, where, shown=f"{k}[{i}]")
+        elif isinstance(v, list) and v and not all(isinstance(x, dict) for x in v):
+            raise FedfeatError(
+                f"{where}: {k} = {short(v)} is an array, but {k} takes one value here; a list of values to "
+                "sweep belongs in [grid]"
+            )
+        else:
+            check_setting(k, v, where)
+
+
+def _params(tbl, where: str, axis: bool, methods, label: str = "params") -> None:
+    """Hyperparameters: a table of scalars (``axis``: or non-empty lists of scalars), typed as each of
+    ``methods`` that has the key wants."""
+    from fedfeat.runs.config import check_method_params, check_param_value, key_text, short, toml_kind
+
+    if not isinstance(tbl, dict):
+        raise FedfeatError(
+            f"{where}: params = {short(tbl)} is {toml_kind(tbl)}, but params is a table of hyperparameters "
+            "(e.g. params = { lr = 0.01 })"
+        )
+    for k, v in tbl.items():
+        if not isinstance(k, str) or not k:
+            raise FedfeatError(f"{where}: params has an empty key; name each hyperparameter")
+        vals = v if axis and isinstance(v, list) else [v]
+        if not vals:
+            raise FedfeatError(f"{where}: params {key_text(k)} = [] is empty; give at least one value")
+        for x in vals:
+            check_param_value(k, x, f"{where} {label}".strip())
+            check_method_params(methods, {k: x}, f"{where} {label}".strip())
+
+
+def check_grid(grid=None, params=None, cells=None, fixed=None, fixed_params=None, *, where: str) -> None:
+    """``expand``'s arguments, checked: tables where tables belong, known setting names with values of their
+    types (``[grid]``: a value or a non-empty list), hyperparameters as scalars of the types their methods want,
+    ``cells`` a non-empty list of tables or a table of such lists. One line naming ``where``, the table, the key
+    and the type expected."""
+    from fedfeat.runs.config import DEFAULTS, key_text, short, toml_kind
+
+    def table(v, name: str) -> dict:
+        if v is None:
+            return {}
+        if not isinstance(v, dict):
+            raise FedfeatError(f"{where}: {name} = {short(v)} is {toml_kind(v)}, but {name} is a table")
+        return v
+
+    grid, params = table(grid, "[grid]"), table(params, "[grid.params]")
+    fixed, fixed_params = table(fixed, "[fixed]"), table(fixed_params, "[fixed.params]")
+    _settings(fixed, f"{where} [fixed]", axis=False)
+    _settings(grid, f"{where} [grid]", axis=True)
+
+    axes: list[tuple[str, list]] = []
+    if isinstance(cells, dict):
+        if not cells:
+            raise FedfeatError(f"{where}: [cells] is an empty table; give [[cells.NAME]] tables or drop it")
+        for name, v in cells.items():
+            name = key_text(name)
+            if not isinstance(v, list):
+                raise FedfeatError(
+                    f"{where}: cells.{name} = {short(v)} is {toml_kind(v)}, but cells.{name} takes an array of "
+                    f"tables ([[cells.{name}]] entries)"
+                )
+            axes.append((f"[[cells.{name}]]", v))
+    elif cells is not None:
+        if not isinstance(cells, list):
+            raise FedfeatError(
+                f"{where}: cells = {short(cells)} is {toml_kind(cells)}, but cells takes an array of tables "
+                '([[cells]] entries, e.g. [[cells]] then partition = "shard")'
+            )
+        axes.append(("[[cells]]", cells))
+    cell_methods = []
+    for name, entries in axes:
+        if not entries:
+            raise FedfeatError(f"{where}: {name} has no entries; give at least one table or drop it")
+        for i, cell in enumerate(entries):
+            if not isinstance(cell, dict):
+                raise FedfeatError(
+                    f"{where}: {name} entry {i + 1} = {short(cell)} is {toml_kind(cell)}, but each entry is a "
+                    'table of settings (e.g. partition = "shard")'
+                )
+            _settings(
+                {k: v for k, v in cell.items() if k != "params"}, f"{where} {name} entry {i + 1}", False
+            )
+            cell_methods.append(cell.get("method"))
+
+    def listed(v) -> list:
+        return v if isinstance(v, list) else [v]
+
+    methods = [*listed(grid.get("method", [])), *([fixed["method"]] if "method" in fixed else [])]
+    methods = list(dict.fromkeys([*methods, *(m for m in cell_methods if m is not None)]))
+    methods = methods or [DEFAULTS["method"]]
+    _params(params, f"{where} [grid.params]", True, methods, label="")
+    _params(fixed_params, f"{where} [fixed.params]", False, methods, label="")
+    for name, entries in axes:
+        for i, cell in enumerate(entries):
+            if "params" in cell:
+                own = [cell["method"]] if "method" in cell else methods
+                _params(cell["params"], f"{where} {name} entry {i + 1}", False, own)
 
 
 def _applicable(method: str, params: dict, log) -> dict:
@@ -178,6 +320,10 @@ def run_sweep(
             method = settings.get("method", DEFAULTS["method"])
             ps = _applicable(method, params, log)
             cfgs.append(resolve_config(settings, None, [f"{k}={v}" for k, v in ps.items()]))
+        from fedfeat.store.urls import local_path
+
+        for c in cfgs:  # run directories are local: a URL --out is refused before any store is opened
+            local_path(c.out, "--out", "a local directory for run directories")
         names = [run_name(c) for c in cfgs]
         seen: dict[Path, int] = {}
         for i, path in enumerate(names):
@@ -189,7 +335,7 @@ def run_sweep(
         done: dict[int, Path] = {}
         pending = []
         for i, path in enumerate(names):
-            if (path / "summary.json").is_file() and not overwrite:
+            if (path / "summary.json").is_file() and not path.is_symlink() and not overwrite:  # a link: train refuses
                 log(f"[{i + 1}/{len(cfgs)}] {path.name}: finished already, skipped")
                 done[i] = path
             else:
@@ -224,4 +370,4 @@ def run_sweep(
     return paths
 
 
-__all__ = ["expand", "parse_values", "read_grid", "run_sweep"]
+__all__ = ["check_grid", "expand", "parse_values", "read_grid", "run_sweep"]

@@ -79,8 +79,20 @@ def group_accuracy(per_class_acc: list[float], test_counts: np.ndarray, groups: 
     return out
 
 
+def _run_identity(cfg: RunConfig, method_params: dict, store, key: str) -> dict:
+    """What defines a run, written into its checkpoints (``fedfeat.engine.checkpoint``) and checked on resume: the
+    resolved settings and method hyperparameters, the store's fingerprint and the partition key; not where it is
+    written (``out``, ``name``), the store's path (its fingerprint stands for it) or the device."""
+    skip = ("out", "name", "device", "store", "pretrained", "params", "store_fingerprint")
+    run = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip}
+    return {"run": run, "params": method_params, "store_fingerprint": store.attrs.get("fingerprint_hash"),
+            "partition": key}  # fmt: skip
+
+
 def _resume_target(path: str | Path) -> tuple[Path, str]:
-    p = Path(path)
+    from fedfeat.store.urls import local_path
+
+    p = local_path(path, "--resume", "a local run directory")
     name = p.name[len(rundir.PARTIAL) :] if p.name.startswith(rundir.PARTIAL) else p.name
     return p.parent, name
 
@@ -108,6 +120,7 @@ def train(
     if resume is not None:
         out, name = _resume_target(resume)
         rd = rundir.RunDir(out, name)
+        rd.check_links()  # nothing is read back through a link out of OUT
         if not (rd.partial / "config.toml").is_file():
             if (rd.final / "summary.json").is_file():
                 raise FedfeatError(f"run {rd.final} is finished; there is nothing to resume")
@@ -134,9 +147,10 @@ def train(
     name = cfg.name or default_run_name(cfg, method_params, method_defaults, store.attrs, key)
     out = rundir.check_out(cfg.out)
     rd = rundir.RunDir(out, name)
+    rd.check_links()  # NAME, .partial-NAME (and its files), .old-NAME, .lock-NAME: no link out of OUT
     rd.lock.acquire()
     try:
-        with rundir.sigterm_as_exception():
+        with rundir.interrupt_latch(), rundir.sigterm_as_exception():
             return _train_locked(
                 cfg, method, method_params, device, kernel, store, key, part, stored, rd,
                 resume is not None, overwrite, checkpoint_every, progress, log, checkpoint, _stacked,
@@ -203,6 +217,7 @@ def _train_locked(
     from fedfeat.engine.rounds import run_federated
     from fedfeat.report.plots import plot_curves
 
+    rd.check_links()  # again, under the lock
     rd.recover()
     ckpt = rd.partial / CHECKPOINT
     start = None
@@ -214,7 +229,10 @@ def _train_locked(
             )
         if rd.partial.exists():
             if not overwrite:
-                at = checkpoint.read_meta(ckpt)["round"] if ckpt.is_file() else "none"
+                try:
+                    at = checkpoint.read_meta(ckpt)["round"] if os.path.lexists(ckpt) else "none"
+                except FedfeatError:
+                    at = "unreadable"
                 raise FedfeatError(
                     f"an unfinished run {rd.name} exists in {rd.out} (checkpointed round: {at}); resume it with "
                     f"`fedfeat train --resume {rd.final}` or pass --overwrite to start it again"
@@ -230,9 +248,22 @@ def _train_locked(
         rd.publish(overwrite)
         return rd.final
     try:
+        identity = _run_identity(cfg, method_params, store, key)
+        written: list[str] = []  # metrics.jsonl's text so far: its digest goes into each checkpoint
         if resuming:
-            if ckpt.is_file():
-                start = checkpoint.load(ckpt, device)
+            afresh = (
+                f"to start it afresh, drop --resume and pass --overwrite: fedfeat train --config "
+                f"{rd.partial / 'config.toml'} --out {rd.out} --name {rd.name} --overwrite"
+            )
+            mpath = rd.partial / "metrics.jsonl"
+            try:
+                old = read_metrics(mpath) if os.path.lexists(mpath) else []
+            except FedfeatError as e:  # not a regular file (a FIFO would block), unreadable
+                raise FedfeatError(f"cannot resume: {e}; {afresh}") from None
+            if os.path.lexists(ckpt):  # checked: digest, run identity, round, the metric rows before it
+                start = checkpoint.load(
+                    ckpt, device, run=identity, rounds=cfg.rounds, rows=old, afresh=afresh
+                )  # old: cut to the rows up to the checkpoint
         else:
             rd.partial.mkdir()
             (rd.partial / "config.toml").write_text(config_toml(cfg, method_params))
@@ -255,10 +286,10 @@ def _train_locked(
         mpath = rd.partial / "metrics.jsonl"
         done = start[0] if start else 0
         if resuming:  # rows after the checkpoint are redone
-            old = read_metrics(mpath) if mpath.is_file() else []
-            kept = [r for r in old if r["round"] <= done] if start else []
+            kept = old if start else []  # checkpoint.load kept the rows up to its round (checked)
+            written.append(checkpoint.rows_text(kept))
             tmp = mpath.with_name(".metrics.jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            tmp.write_text(written[0])
             os.replace(tmp, mpath)
             log(f"resuming {rd.name} after round {done} of {cfg.rounds}")
         mfile = open(mpath, "a")  # noqa: SIM115 (closed below)
@@ -268,17 +299,19 @@ def _train_locked(
         def on_round(row: dict) -> None:
             if groups is not None and "per_class_acc" in row:
                 row.update(group_accuracy(row["per_class_acc"], test_counts, groups))
-            mfile.write(json.dumps(row) + "\n")
+            written.append(json.dumps(row) + "\n")
+            mfile.write(written[-1])
             mfile.flush()
             if bar is not None:
                 acc = "-" if row["test_acc"] is None else f"{row['test_acc']:.2f}%"
                 bar[0].update(bar[1], completed=row["round"], acc=acc)
             rundir.fault_point(f"after-round-{row['round']}")
+            rundir.check_interrupt()  # a Ctrl-C that numba's compiler swallowed stops the run here
 
         def on_checkpoint(rnd: int, glob: dict, state: dict) -> None:
             t = time.perf_counter()
             os.fsync(mfile.fileno())  # the metrics rows the checkpoint stands on are on disk first
-            checkpoint.save(ckpt, rnd, glob, state)
+            checkpoint.save(ckpt, rnd, glob, state, run=identity, rows="".join(written))
             ck_seconds[0] += time.perf_counter() - t
 
         t0 = time.perf_counter()
@@ -331,10 +364,12 @@ def _train_locked(
             ]  # made in one program with this many runs (fedfeat.runs.stack)
         if start:
             summary["resumed_after_round"] = done
+        rundir.check_interrupt()  # an interrupt that something swallowed: no summary, nothing published
         ckpt.unlink(missing_ok=True)  # a finished run needs none
         _write_atomic(rd.partial / "summary.json", json.dumps(summary, indent=2))
         rundir.fault_point("before-publish")
-        rd.publish(overwrite)
+        with rundir.deferred_interrupts():  # never cut between the renames; an interrupt is raised after them
+            rd.publish(overwrite)
     except BaseException as e:
         if ckpt.is_file() and isinstance(e, (KeyboardInterrupt, rundir.Interrupted, OSError)):
             log(f"interrupted after a checkpoint; resume with: fedfeat train --resume {rd.final}")

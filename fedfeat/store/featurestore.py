@@ -32,6 +32,22 @@ complete store records ``finite: true``; a complete store without that record is
 result recorded when it is opened writable). Stores of format version 1 (no checksums) are refused with the
 rebuild message: their contents cannot be verified.
 
+Attributes vs arrays (``attribute_problems``): every attribute the writers record is checked against the arrays
+it describes -- ``embed_dim`` against every feature array's D, ``class_names`` and ``templates`` against
+``text/features`` [T, K, D] (and the labels' class ids), ``splits`` against every array's rows, ``chunk_rows``
+against the chunking and the done / checksum arrays, the format's dtypes, ``pixels`` against the pixel arrays,
+``logit_scale`` finite and > 0, the fingerprint's fields (and its hash) against the attributes, ``skipped``
+against the -1 labels, the stored partitions against their split. ``open`` runs the metadata-only part (types,
+shapes, chunks, dtypes: no data read), so ``train``, ``info`` and the rest refuse a lying store in one line;
+``verify`` runs all of it and names each disagreement on a line of its own.
+
+Modes and deletion: ``open`` takes ``mode`` r, r+ or w and never deletes anything (zarr's own "w", which truncates,
+is never passed on); "w" rewrites an existing store's chunks: an unfinished one is resumed, a complete one needs
+``overwrite=True`` and is marked unfinished until ``mark_complete``. ``create`` (and ``copy_store``) replace a
+fedfeat store only with ``overwrite=True``, and never a file, a folder of other things or a link's target (a link
+to a store is replaced, its target kept; a link to a missing target is refused). Paths are ``str`` or any
+``os.PathLike`` (``path_arg``).
+
 Read-only use: ``open(path, mode="r")`` (the default) never writes anything (no lock files, attributes or zarr
 metadata), so stores on read-only filesystems can be read and partitioned in memory.
 
@@ -61,8 +77,6 @@ lock ``fedfeat.store.lock``.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import os
 import shutil
@@ -75,6 +89,10 @@ import zarr
 from zarr.codecs import ZstdCodec
 
 from fedfeat.errors import FedfeatError
+from fedfeat.store.checks import AttrCheck as _AttrCheck
+from fedfeat.store.checks import partition_problems as _partition_problems
+from fedfeat.store.format import FORMAT_VERSION, fingerprint_hash  # noqa: F401  (re-exported)
+from fedfeat.store.format import short as _short
 from fedfeat.store.urls import (
     group_meta,
     is_store,
@@ -84,7 +102,6 @@ from fedfeat.store.urls import (
     url_filesystem,
 )
 
-FORMAT_VERSION = 2
 MIN_CHUNK_BYTES = 1 << 20  # a feature chunk is at least 1 MiB (fewer, larger files; zarr reads whole chunks)
 DONE_BIT = 1 << 32  # a done entry is DONE_BIT | crc32: never 0 (zarr's fill value for a missing entry)
 _F16_EXP = np.uint16(0x7C00)  # float16 exponent bits: all set means inf or NaN
@@ -121,10 +138,106 @@ def first_nonfinite_row(a: np.ndarray) -> int | None:
     return int(np.flatnonzero(bad.reshape(len(a), -1).any(axis=1))[0])
 
 
-def fingerprint_hash(fingerprint: dict) -> str:
-    """A short stable hash of a fingerprint dict (canonical JSON, sha256)."""
-    blob = json.dumps(fingerprint, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
+# FeatureStore.open's modes (zarr's own "w" truncates: fedfeat never passes it on to zarr)
+MODES = ("r", "r+", "w")
+
+
+def path_arg(path, what: str = "path", example: str = "cache/synth-cifar10.zarr") -> str | Path:
+    """A path argument of the public API: a ``str`` (a path or a store URL) or any ``os.PathLike`` (a
+    ``pathlib.Path``); anything else, bytes or an empty path is a one-line ``FedfeatError``."""
+    if isinstance(path, os.PathLike) and not isinstance(path, Path):
+        path = os.fspath(path)
+    if isinstance(path, Path):
+        return path
+    if not isinstance(path, str):
+        raise FedfeatError(
+            f"{what} must be a str or os.PathLike (e.g. pathlib.Path), got {type(path).__name__} "
+            f"{_short(path)}; e.g. {example!r}"
+        )
+    if not path.strip():
+        raise FedfeatError(f"{what} is empty; e.g. {example!r}")
+    return path
+
+
+def check_mode(mode) -> str:
+    """``mode`` of ``FeatureStore.open``: one of ``MODES``, else a one-line ``FedfeatError``."""
+    if not isinstance(mode, str) or mode not in MODES:
+        raise FedfeatError(
+            f"mode must be r, r+ or w, got {_short(mode)}: r reads (the default), r+ writes into a store "
+            "(partitions, a resumed encode), w rewrites one (a complete store needs overwrite=True); "
+            "FeatureStore.create makes a new store"
+        )
+    return mode
+
+
+# files and folders a store killed inside ``create`` can hold (besides its splits' groups)
+_STORE_ENTRIES = {"zarr.json", "text", "partitions", "sources"}
+
+
+def half_created(loc: Path | str, splits: set[str]) -> bool:
+    """A location left by a process killed inside ``FeatureStore.create``: a zarr group without any attributes
+    whose entries are only a store's own (its splits, text, partitions, sources). A user's zarr group with
+    attributes or other entries is not one."""
+    doc = group_meta(loc)
+    if doc is None or doc.get("node_type") != "group" or doc.get("attributes") not in (None, {}):
+        return False
+    if isinstance(loc, Path):
+        names = {e.name for e in loc.iterdir()}
+    else:
+        fs, p = url_filesystem(loc)
+        names = {str(e).rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(p, detail=False)}
+    return names <= _STORE_ENTRIES | splits
+
+
+def refuse_dangling_link(loc: Path | str) -> None:
+    """A symbolic link whose target is missing (an unmounted disk, a moved folder) is never replaced: writing
+    there would put the store on another disk and delete the link."""
+    if isinstance(loc, Path) and loc.is_symlink() and not loc.exists():
+        raise FedfeatError(
+            f"{loc} is a symbolic link to {os.readlink(loc)}, which does not exist (an unmounted disk?); mount or "
+            "create its target, or remove the link yourself, or choose another path"
+        )
+
+
+def _clear_target(loc: Path | str, overwrite: bool, splits: set[str]) -> None:
+    """Make room for a new store at ``loc`` (``create``), deleting only what fedfeat wrote.
+
+    Nothing there, an empty folder, or a store cut short inside ``create`` (no attributes yet): go ahead, as
+    ``fedfeat encode`` / ``synth`` do. A fedfeat store, complete or unfinished: only with ``overwrite``. A file, a
+    folder of other things, a symbolic link to anything but a store: never, whatever ``overwrite`` says.
+    A symbolic link to a store is replaced by the new store's folder (the link goes; its target stays)."""
+    refuse_dangling_link(loc)
+    if isinstance(loc, Path):
+        if not loc.exists():
+            return
+        link = loc.is_symlink()
+        if not link and loc.is_dir() and not any(loc.iterdir()):
+            return  # an empty folder: zarr writes into it
+    elif not store_exists(loc):
+        return
+    if is_store(loc):
+        if not overwrite:  # an unfinished one too: its writer may still be at work (encode resumes it itself)
+            attrs = (group_meta(loc) or {}).get("attributes", {})
+            state = "an unfinished" if attrs.get("complete") is False else "a complete"
+            raise FedfeatError(
+                f"{loc} already exists ({state} store); pass overwrite=True (the CLI's --force) to replace it, "
+                "or choose another path"
+            )
+    elif not (isinstance(loc, Path) and loc.is_symlink()) and half_created(loc, splits):
+        pass
+    else:
+        raise FedfeatError(  # never delete what fedfeat did not write, even with overwrite
+            f"{loc} exists and is not a fedfeat store; move it away yourself, or choose another path "
+            "(overwrite=True, like --force, replaces stores only)"
+        )
+    if isinstance(loc, Path):
+        if loc.is_symlink():
+            loc.unlink()  # the link only: the store it points to is not ours to delete
+        else:
+            shutil.rmtree(loc)
+    else:  # an object store has no directories: the prefix's objects go
+        fs, p = url_filesystem(loc)
+        fs.rm(p, recursive=True)
 
 
 def default_chunk_rows(embed_dim: int) -> int:
@@ -171,21 +284,12 @@ class FeatureStore:
         ``pixels``: ``{"size": [H, W], "mean": [3], "std": [3]}`` to also keep every image as the model's uint8 input
         after its resize and centre crop (``encode --pixels``; live image methods read them).
         """
-        path = store_location(path)
+        if not isinstance(overwrite, bool):
+            raise FedfeatError(f"overwrite must be True or False, got {_short(overwrite)}")
+        path = store_location(path_arg(path))
+        _clear_target(path, overwrite, set(labels))
         if isinstance(path, Path):
-            if path.exists():
-                if not overwrite:
-                    raise FedfeatError(f"{path} already exists; pass --force to replace it")
-                if path.is_dir():
-                    shutil.rmtree(path)
-                else:
-                    path.unlink()
             path.parent.mkdir(parents=True, exist_ok=True)
-        elif store_exists(path):  # an object store has no directories: the prefix's objects go
-            if not overwrite:
-                raise FedfeatError(f"{path} already exists; pass --force to replace it")
-            fs, p = url_filesystem(path)
-            fs.rm(p, recursive=True)
         chunk_rows = int(chunk_rows or default_chunk_rows(embed_dim))
         g = zarr.open_group(str(path), mode="w", zarr_format=3)
         attrs: dict[str, Any] = {
@@ -263,14 +367,41 @@ class FeatureStore:
         return st
 
     @classmethod
-    def open(cls, path: str | Path, *, mode: str = "r", allow_incomplete: bool = False) -> FeatureStore:
-        """Open an existing store; refuse paths that are not stores, other format versions and
+    def open(
+        cls,
+        path: str | os.PathLike,
+        *,
+        mode: str = "r",
+        allow_incomplete: bool = False,
+        overwrite: bool = False,
+        check: bool = True,
+    ) -> FeatureStore:
+        """Open an existing store; refuse paths that are not stores, other format versions, stores whose
+        attributes disagree with their arrays' shapes and dtypes (``check``; ``verify`` checks everything) and
         (unless ``allow_incomplete``) stores whose writing never finished.
 
         ``mode="r"`` (the default) never writes to the store or next to it: it works on read-only
-        filesystems. ``mode="r+"`` is for writers (``encode``, saving partitions).
+        filesystems. ``mode="r+"`` is for writers (``encode``, saving partitions). ``mode="w"`` opens a store to
+        rewrite its chunks: an unfinished one is resumed; a complete one needs ``overwrite=True`` and is marked
+        unfinished until ``mark_complete``. Opening never deletes anything: ``create`` makes a new store (and
+        replaces a store only with ``overwrite=True``).
         """
-        path = store_location(path)
+        check_mode(mode)
+        for name, flag in (
+            ("allow_incomplete", allow_incomplete),
+            ("overwrite", overwrite),
+            ("check", check),
+        ):
+            if not isinstance(flag, bool):
+                raise FedfeatError(f"{name} must be True or False, got {_short(flag)}")
+        path = store_location(path_arg(path))
+        if mode == "w":
+            if store_exists(path) and not is_store(path):
+                raise FedfeatError(
+                    f"{path} exists and is not a fedfeat store; move it away yourself, or choose another path "
+                    "(mode w rewrites stores only)"
+                )
+            allow_incomplete = True
         if not store_exists(path):
             raise FedfeatError(
                 f"no store at {path}; create one with `fedfeat synth --out {path}` or `fedfeat encode`"
@@ -282,8 +413,8 @@ class FeatureStore:
                 f"{path} is not a fedfeat store (no store attributes in zarr.json); "
                 "point to a directory made by `fedfeat synth` or `fedfeat encode`"
             )
-        try:
-            g = zarr.open_group(str(path), mode=mode, zarr_format=3)
+        try:  # zarr's "w" would truncate the store: "w" is a writer's open, "r+" to zarr
+            g = zarr.open_group(str(path), mode="r" if mode == "r" else "r+", zarr_format=3)
         except OSError as e:
             raise storage_error(e, path, "opening the store", "open it with mode 'r' (read only)") from None
         except Exception as e:
@@ -308,11 +439,25 @@ class FeatureStore:
         missing = [k for k in REQUIRED_ATTRS if k not in st._attrs]
         if missing:
             raise st._damaged(f"its attributes lack {', '.join(missing)}")
+        if check:
+            st._refuse_problems(st.attribute_problems(deep=False), hint=True)
         if not allow_incomplete and not st.complete:
             raise FedfeatError(
                 f"{path} is incomplete (its writing was interrupted); re-run the same `fedfeat encode` "
                 "command to resume it, or `fedfeat synth --force` for a synthetic store"
             )
+        if mode == "w" and st.complete:
+            if not overwrite:
+                raise FedfeatError(
+                    f"{path} already exists (a complete store); pass overwrite=True (the CLI's --force) to rewrite "
+                    "it, open it with mode 'r' to read it or 'r+' to add partitions, or choose another path"
+                )
+            try:  # unfinished until mark_complete: a writer killed midway leaves no store that reads as complete
+                st.update_attrs(complete=False)
+            except OSError as e:
+                raise storage_error(
+                    e, path, "opening the store for writing", "open it with mode 'r'"
+                ) from None
         if st.complete and st._attrs.get("finite") is not True:
             st._check_finite_once()
         return st
@@ -364,6 +509,33 @@ class FeatureStore:
             )
             raise self._damaged(f"{name} {where} is not finite (NaN or inf)")
 
+    # ------------------------------------------------------------------ attributes vs arrays
+    def _refuse_problems(self, problems: list[str], log=None, hint: bool = False) -> None:
+        """Raise one line for attribute/array disagreements (each also logged, one line each, when ``log``;
+        ``hint``: name ``fedfeat info --verify``, which lists them all)."""
+        if not problems:
+            return
+        if log is not None:
+            for p in problems:
+                log(p)
+        more = len(problems) - 1
+        rest = f" (and {more} more{', listed above' if log is not None else ''})" if more else ""
+        if all(p.startswith("partition ") for p in problems):  # the features are fine: redo the partitions
+            raise FedfeatError(
+                f"store {self.path}: {problems[0]}{rest}; make the partition again with `fedfeat partition` (it "
+                "is recomputed exactly)"
+            )
+        raise self._damaged(
+            f"{problems[0]}{rest}" + ("; `fedfeat info --verify` lists every disagreement" if hint else "")
+        )
+
+    def attribute_problems(self, deep: bool = True) -> list[str]:
+        """Every disagreement between the store's attributes and its arrays, one line each, naming the attribute,
+        its value and what the arrays say. ``deep=False``: attribute types, array shapes, chunking and dtypes only
+        (array metadata, no data read: what ``open`` checks). ``deep=True`` (``verify``) also reads the labels
+        (class ids vs ``class_names``, ``skipped``), the partitions and checks the fingerprint's fields."""
+        return _AttrCheck(self).run(deep)
+
     # ------------------------------------------------------------------ attributes
     @property
     def attrs(self) -> dict:
@@ -409,8 +581,8 @@ class FeatureStore:
         return int(self._attrs["splits"][split])
 
     def _check_split(self, split: str) -> None:
-        if split not in self._attrs["splits"]:
-            raise FedfeatError(f"store {self.path} has no split '{split}'; it has: {', '.join(self.splits)}")
+        if not isinstance(split, str) or split not in self._attrs["splits"]:
+            raise FedfeatError(f"store {self.path} has no split {split!r}; it has: {', '.join(self.splits)}")
 
     def sources(self) -> dict:
         """``{file name: [size, content hash]}`` of the dataset files the store was encoded from."""
@@ -583,10 +755,12 @@ class FeatureStore:
     def features_rows(self, split: str, rows: np.ndarray) -> np.ndarray:
         """Features of the given rows only: reads (and verifies) only the chunks holding them."""
         self._check_split(split)
-        rows = np.asarray(rows, dtype=np.int64)
+        rows = _rows_arg(rows)
         n = self.n(split)
         if len(rows) and (rows.min() < 0 or rows.max() >= n):
-            raise IndexError(f"rows outside 0..{n - 1} of split {split}")
+            raise FedfeatError(
+                f"store {self.path}: rows outside 0..{n - 1} of split {split}; pass row positions"
+            )
         out = np.empty((len(rows), self.embed_dim), dtype=np.float16)
         done = self._done(split)
         chunk_of = rows // self.chunk_rows
@@ -608,7 +782,7 @@ class FeatureStore:
                 "methods read images from the store)"
             )
         self._check_split(split)
-        rows = np.asarray(rows, dtype=np.int64)
+        rows = _rows_arg(rows)
         H, W = self.attrs["pixels"]["size"]
         out = np.empty((len(rows), 3, H, W), dtype=np.uint8)
         crcs = self._read(f"{split}/pixels_crc").astype(np.uint64)
@@ -648,11 +822,15 @@ class FeatureStore:
         return text
 
     def verify(self, log=None) -> dict:
-        """Check every written chunk, the labels and the text features (``fedfeat info --verify``).
+        """Check every attribute against the arrays (``attribute_problems``), then every written chunk, the
+        labels, the text features and the stored partitions against their checksums (``fedfeat info --verify``).
 
-        Raises a one-line ``FedfeatError`` at the first problem; returns counts of what was checked.
-        Pending chunks of an incomplete store are skipped (they are not written yet).
+        Attribute disagreements: one ``FedfeatError`` line naming the first (and, when ``log`` is given, each one
+        passed to ``log`` as a line of its own first); a damaged chunk: a one-line ``FedfeatError`` at the first
+        one. Returns counts of what was checked. Pending chunks of an incomplete store are skipped (they are not
+        written yet).
         """
+        self._refuse_problems(self.attribute_problems(deep=True), log)
         checked = {"chunks": 0, "rows": 0}
         for split in self.splits:
             self.labels(split)
@@ -665,6 +843,8 @@ class FeatureStore:
         if self.complete or self.text_done():
             self.text_features()
             checked["text"] = 1
+        for key in self.partition_keys():
+            self.partition_arrays(key)  # checksums, and offsets / order against the split
         return checked
 
     # ------------------------------------------------------------------ partitions
@@ -741,6 +921,12 @@ class FeatureStore:
             )
         a = dict(self._arr(f"partitions/{key}").attrs)
         order, offsets = (self._partition_array(key, k, a) for k in ("order", "offsets"))
+        bad = _partition_problems(self, key, a, order, offsets)
+        if bad:
+            raise FedfeatError(
+                f"store {self.path}: {bad[0]}; make the partition again with `fedfeat partition` (it is "
+                "recomputed exactly)"
+            )
         return a["scheme"], a["params"], order, offsets
 
     # ------------------------------------------------------------------ summary
@@ -759,7 +945,17 @@ class FeatureStore:
         }
 
 
-# ---------------------------------------------------------------------------------------- copying
+# ---------------------------------------------------------------------------------------- attributes vs arrays
+def _rows_arg(rows) -> np.ndarray:
+    """Row positions (``features_rows``, ``pixels``): a 1-D array-like of integers, else one line."""
+    a = np.asarray(rows)
+    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+        raise FedfeatError(
+            f"rows must be a 1-D sequence of integer row positions, got {_short(rows)}; e.g. np.arange(10)"
+        )
+    return a.astype(np.int64)
+
+
 def _fs_of(loc: Path | str):
     if isinstance(loc, Path):
         from fsspec.implementations.local import LocalFileSystem
@@ -780,7 +976,13 @@ def copy_store(src: str | Path, dst: str | Path, *, overwrite: bool = False, log
         's3://bucket/synth-cifar10.zarr'
     """
     FeatureStore.open(src)  # complete and readable, or a one-line error
-    s_loc, d_loc = store_location(src), store_location(dst)
+    s_loc, d_loc = store_location(path_arg(src, "src")), store_location(path_arg(dst, "dst"))
+    refuse_dangling_link(d_loc)
+    a, b = (str(x.resolve()) if isinstance(x, Path) else x.rstrip("/") for x in (s_loc, d_loc))
+    if a == b or b.startswith(a + "/") or a.startswith(b + "/"):  # replacing dst would delete src
+        raise FedfeatError(
+            f"cannot copy store {s_loc} to {d_loc}: one holds the other; choose another destination"
+        )
     if store_exists(d_loc):
         if not overwrite:
             raise FedfeatError(f"{d_loc} already exists; pass --force to replace it")
@@ -790,8 +992,11 @@ def copy_store(src: str | Path, dst: str | Path, *, overwrite: bool = False, log
             raise FedfeatError(  # only a store, or a copy cut short (no root zarr.json), is ever deleted
                 f"{d_loc} exists and is not a fedfeat store; choose another destination"
             )
-        dfs, dp = _fs_of(d_loc)
-        dfs.rm(dp, recursive=True)
+        if isinstance(d_loc, Path) and d_loc.is_symlink():
+            d_loc.unlink()  # the link only: the store it points to is not ours to delete
+        else:
+            dfs, dp = _fs_of(d_loc)
+            dfs.rm(dp, recursive=True)
     sfs, sp = _fs_of(s_loc)
     dfs, dp = _fs_of(d_loc)
     files = sorted(f for f in sfs.find(sp) if not f.rsplit("/", 1)[-1].startswith(".write-probe-"))

@@ -28,7 +28,6 @@ mimics first- and second-order statistics of CLIP features.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -39,7 +38,13 @@ import numpy as np
 import torch
 
 from fedfeat.errors import FedfeatError
-from fedfeat.store.featurestore import FeatureStore, fingerprint_hash
+from fedfeat.store.featurestore import (
+    FeatureStore,
+    fingerprint_hash,
+    half_created,
+    path_arg,
+    refuse_dangling_link,
+)
 from fedfeat.store.urls import is_store, storage_error
 
 CIFAR10_CLASSES = [
@@ -196,13 +201,19 @@ def write_synthetic_store(
         >>> st.features("train").shape
         (60, 8)
     """
+    if not isinstance(params, SynthParams):
+        raise FedfeatError(
+            f"params must be a SynthParams, got {type(params).__name__}; e.g. SynthParams(classes=3, dim=8) or "
+            "PRESETS['cifar10-rn50']"
+        )
     p = params
     if p.classes < 2 or p.dim < 4 or p.train_per_class < 1 or p.test_per_class < 1 or p.templates < 1:
         raise FedfeatError(
             "synthetic store needs --classes >= 2, --dim >= 4, and >= 1 train/test sample per class and template"
         )
-    out = Path(out)
+    out = Path(path_arg(out, "out"))
     fingerprint = {"generator": "fedfeat.store.synth", **asdict(p)}
+    refuse_dangling_link(out)
     if out.exists():
         st = None
         if is_store(out):
@@ -247,17 +258,13 @@ def write_synthetic_store(
 
 def _replaceable(path: Path) -> bool:
     """An empty directory, or one left by a run killed inside ``FeatureStore.create`` (a zarr group without
-    store attributes): safe to replace."""
+    attributes holding only a store's own entries: ``half_created``): safe to replace. A folder of the user's
+    files beside a ``zarr.json``, or a user's zarr group with attributes of its own, is not."""
     if not path.is_dir() or path.is_symlink():
         return False
-    meta = path / "zarr.json"
-    if not meta.is_file():
+    if not (path / "zarr.json").is_file():
         return not any(path.iterdir())
-    try:
-        doc = json.loads(meta.read_text())
-    except (OSError, ValueError):
-        return False
-    return doc.get("node_type") == "group" and "format_version" not in doc.get("attributes", {})
+    return half_created(path, {"train", "test"})
 
 
 def _write(tmp: Path, p: SynthParams, fingerprint: dict, stats: bool, log) -> None:
