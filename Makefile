@@ -23,10 +23,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@if [ -n "$(TORCH_PIN)" ]; then echo "installing $(TORCH_PIN) first"; $(PY) -m pip install -q "$(TORCH_PIN)"; fi
-	$(PY) -m pip install -q -e '.[dev,hf,flower]'
+	$(PY) -m pip install -q -e '.[dev,hf,flower,tensorboard,wandb,slurm,ray]'
 	@touch $@
 
-install: $(VENV)/.installed ## create .venv and install fedfeat (torch first, pinned) with its dev tools and the hf / flower extras its tests use
+install: $(VENV)/.installed ## create .venv and install fedfeat (torch first, pinned) with its dev tools and the hf / flower / tensorboard / wandb / slurm / ray extras its tests use
 
 test: install ## run the test suite (fast, CPU, offline)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest

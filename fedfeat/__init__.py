@@ -4,8 +4,8 @@ The Python API (the CLI calls the same functions)::
 
     import fedfeat
     st = fedfeat.open_store("cache/synth-cifar10.zarr")             # a FeatureStore, read-only
-    run = fedfeat.train(method="fst-cbdg", rounds=10, seed=0, params={"sigma": 0.5}, out="runs")
-    run["final_acc"], run["path"]
+    run = fedfeat.train(store=st, method="fst-cbdg", rounds=10, seed=0, params={"sigma": 0.5}, out="runs")
+    run.summary["final_acc"], run.path, run.metrics, run.weights()  # a fedfeat.Run (run["final_acc"] works too)
     df = fedfeat.load_runs("runs")                                  # a DataFrame with pandas, else a list of dicts
 
 The pieces, for a loop of your own (README, "Your own method"; docs/architecture.md)::
@@ -21,6 +21,9 @@ __all__ = [
     "open_store",
     "train",
     "load_runs",
+    "Run",
+    "load_results",
+    "evaluate_run",
     "RunConfig",
     "FeatureStore",
     "FedfeatError",
@@ -36,6 +39,9 @@ __all__ = [
 # the rest of the public API, imported on first use (``import fedfeat`` stays light)
 _LAZY = {
     "RunConfig": "fedfeat.runs.config",
+    "Run": "fedfeat.runs.run",
+    "load_results": "fedfeat.report.load",
+    "evaluate_run": "fedfeat.runs.evaluate",
     "FeatureStore": "fedfeat.store.featurestore",
     "FedfeatError": "fedfeat.errors",
     "Method": "fedfeat.methods",
@@ -59,20 +65,24 @@ def open_store(path, mode: str = "r", *, overwrite: bool = False, allow_incomple
     return FeatureStore.open(path, mode=mode, overwrite=overwrite, allow_incomplete=allow_incomplete)
 
 
-def train(*, params: dict | None = None, overwrite: bool = False, progress: bool = False, **settings) -> dict:
+def train(
+    *, params: dict | None = None, overwrite: bool = False, progress: bool = False, callbacks=None, **settings
+):
     """Train one run (keyword arguments as ``fedfeat train``'s flags, e.g. ``method="fedavg", rounds=5,
-    partition="shard", shards=2``; ``params`` the method's hyperparameters) and return its record: the run's
-    ``summary.json`` plus ``path``.
+    partition="shard", shards=2``; ``params`` the method's hyperparameters) and return it as a ``fedfeat.Run``
+    (``fedfeat.runs.run``): ``.path``, ``.config``, ``.summary``, ``.metrics``, ``.weights()``, ``.results()``;
+    ``run["final_acc"]`` reads its summary as the dict ``train`` used to return did.
+    ``callbacks``: live logging, callback objects or logger names (``"tensorboard"``, ``"wandb"``; README,
+    "Live logging"), called at the run's start, after each round, at its end and on failure.
 
     Checked like the CLI's flags, each refusal one ``FedfeatError`` line: paths (``store``, ``out``,
-    ``pretrained``) may be any ``os.PathLike``; a setting takes its flag's type (numpy numbers are taken as
+    ``pretrained``) may be any ``os.PathLike``, ``store`` also an open ``FeatureStore`` (the run reopens it
+    read-only by its path or URL); a setting takes its flag's type (numpy numbers are taken as
     Python numbers; a string is never converted: ``rounds="3"`` is refused); ``params`` is a dict of
     hyperparameter name -> number, string or bool, each of the type of the method's field (``{"lr": [1]}`` and
     ``{"lr": "fast"}`` are refused, a string is parsed as ``--set`` parses it)."""
-    import json
-    from pathlib import Path
-
     from fedfeat.runs.config import resolve_config
+    from fedfeat.runs.run import Run
     from fedfeat.runs.train import train as _train
 
     _flag("overwrite", overwrite)
@@ -80,13 +90,20 @@ def train(*, params: dict | None = None, overwrite: bool = False, progress: bool
     settings = _settings(settings)
     overrides = _params(params, settings.get("method"))
     cfg = resolve_config(settings, None, [f"{k}={v}" for k, v in overrides.items()])
-    path = _train(cfg, overwrite=overwrite, progress=progress, log=lambda *a: None)
-    return {**json.loads((Path(path) / "summary.json").read_text()), "path": str(path)}
+    path = _train(
+        cfg, overwrite=overwrite, progress=progress, log=lambda *a: None, callbacks=_callbacks(callbacks)
+    )
+    return Run.load(path)
 
 
 def load_runs(*paths, metrics: bool = False, as_frame: bool | None = None):
     """Finished runs as records (a DataFrame when pandas is installed); see ``fedfeat.report.load.load_runs``.
-    ``paths``: run directories or their parents, each a ``str`` or ``os.PathLike``."""
+    ``paths``: run directories or their parents, each a ``str`` or ``os.PathLike``.
+
+    ``metrics=True``: a long table, one row per run and round: the run's columns (``method``, ``partition``,
+    ``seed``, ``params.<name>``, ``path``, ... as without ``metrics``) and that round's ``metrics.jsonl`` values
+    (``round``, ``test_acc``, ``train_loss``, ...); a key both have (``seconds``, ``bytes_up``, ``val_acc``, ...)
+    holds the round's value there (the run's total stays in ``load_runs()`` without ``metrics``)."""
     import os
 
     from fedfeat.report.load import load_runs as _load_runs
@@ -96,10 +113,39 @@ def load_runs(*paths, metrics: bool = False, as_frame: bool | None = None):
     _flag("metrics", metrics)
     if as_frame is not None:
         _flag("as_frame", as_frame, "True, False or None")
-    return _load_runs(*paths, metrics=metrics, as_frame=as_frame)
+    if not metrics:
+        return _load_runs(*paths, as_frame=as_frame)
+    long = [
+        {**{k: v for k, v in rec.items() if k != "metrics"}, **row}
+        for rec in _load_runs(*paths, metrics=True, as_frame=False)
+        for row in rec["metrics"]
+    ]
+    if as_frame is False:
+        return long
+    try:
+        import pandas as pd
+    except ImportError:
+        if as_frame:
+            from fedfeat.errors import FedfeatError
+
+            raise FedfeatError("load_runs(as_frame=True) needs pandas; pip install pandas") from None
+        return long
+    return pd.DataFrame.from_records(long)
 
 
 # ------------------------------------------------------------------------------------ argument checks
+def _callbacks(callbacks) -> list:
+    """``train``'s ``callbacks`` (live logging, ``fedfeat.runs.callbacks``): a list of callback objects or logger
+    names (``"tensorboard"``, ``"wandb"``, a ``fedfeat.callbacks`` plugin), each checked in one line."""
+    if callbacks is None:
+        return []
+    if isinstance(callbacks, (str, bytes)) or not hasattr(callbacks, "__iter__"):
+        callbacks = [callbacks]
+    from fedfeat.integrations.loggers import make_loggers
+
+    return make_loggers(list(callbacks))
+
+
 def _flag(name: str, v, want: str = "True or False") -> None:
     if not isinstance(v, bool):
         from fedfeat.errors import FedfeatError
@@ -136,6 +182,13 @@ def _settings(settings: dict) -> dict:
             out[k] = v
             continue
         want = TYPES.get(k, str)
+        if k == "store" and not isinstance(v, (str, os.PathLike)):
+            from fedfeat.store.featurestore import FeatureStore
+
+            if isinstance(
+                v, FeatureStore
+            ):  # an open store: the run reopens it, read-only, by its path or URL
+                v = v.path
         if want is str and isinstance(v, os.PathLike):
             v = os.fspath(v)
         is_bool = isinstance(v, bool) or type(v).__name__ == "bool_"

@@ -273,7 +273,7 @@ def test_grid_documented_forms_still_work(work):
     )
     kw = sw.read_grid(write(work, "okgrid.toml", text))
     pts = sw.expand(**kw)
-    assert len(pts) == 2 * 2 * 2 * 2
+    assert len(pts) == 2 * 2 * (2 + 1)  # zeroshot has no lr: its points drop it and are kept once (issue 27)
     assert pts[0] == ({**kw["fixed"], "partition": "iid", "method": "fedavg", "seed": 0, "alpha": 0.5},
                       {"lr": 0.01})  # fmt: skip
     demo = sw.read_grid(Path(__file__).resolve().parents[1] / "configs" / "demo.toml")

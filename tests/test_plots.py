@@ -44,9 +44,9 @@ def test_seed_curves_mean_and_std_band():
             for x, lo, hi in zip(ROUNDS, mean - std, mean + std, strict=True):
                 at = ys[np.isclose(verts[:, 0], x)]
                 assert np.isclose(at.min(), lo) and np.isclose(at.max(), hi)
-        texts = [[t.get_text() for t in ax.get_legend().get_texts()] for ax in axes]
-        assert any("fedavg (n=3)" == t for t in texts[0])
-        assert any("fst-cbdg (n=3)" == t for t in texts[1])
+        assert all(ax.get_legend() is None for ax in axes) and len(fig.legends) == 1  # one legend per figure
+        texts = [t.get_text() for t in fig.legends[0].get_texts()]
+        assert "fedavg (n=3)" in texts and "fst-cbdg (n=3)" in texts
         refs = [[ln for ln in ax.get_lines() if ln.get_label() == "zero-shot"] for ax in axes]
         assert np.allclose(refs[0][0].get_ydata(), 33.0) and np.allclose(refs[1][0].get_ydata(), 44.0)
         assert refs[0][0].get_linestyle() == "--"
@@ -68,8 +68,8 @@ def test_single_seed_has_no_band_and_panels_count():
     try:
         assert len(fig.axes) == 3
         assert len(fig.axes[0].collections) == 1  # only b's band; a has n=1
-        labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-        assert "a (n=1)" in labels and "b (n=3)" in labels and "zero-shot" in labels
+        labels = [t.get_text() for t in fig.legends[0].get_texts()]  # one legend: a's seed counts over panels
+        assert labels == ["a (n=1–3)", "b (n=3)", "zero-shot"]
     finally:
         _close(fig)
 

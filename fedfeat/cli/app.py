@@ -15,6 +15,7 @@ import typer
 from typer.core import TyperGroup
 
 from fedfeat.cli import encode as cli_encode
+from fedfeat.cli import eval as cli_eval
 from fedfeat.cli import train as cli_train
 from fedfeat.errors import FedfeatError
 
@@ -286,6 +287,7 @@ def models(
 # commands that live in their own modules (keeps this file a thin parser)
 cli_train.register(app)
 cli_encode.register(app)
+cli_eval.register(app)
 
 
 def main(argv: list[str] | None = None) -> None:

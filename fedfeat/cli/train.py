@@ -10,6 +10,19 @@ import typer
 from fedfeat.errors import FedfeatError
 
 
+def _loggers(names, log_dir) -> list:
+    """``--logger`` (repeatable) and ``--log-dir``: the live loggers (``fedfeat.integrations.loggers``)."""
+    if not names:
+        if log_dir is not None:
+            raise FedfeatError(
+                "--log-dir is where --logger writes; add --logger tensorboard or --logger wandb"
+            )
+        return []
+    from fedfeat.integrations.loggers import make_loggers
+
+    return make_loggers(names, log_dir)
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     def train(
@@ -144,6 +157,15 @@ def register(app: typer.Typer) -> None:
             None, help="'many,few' training counts for many/medium/few accuracy, e.g. 1500,200 (CIFAR-10-LT)."
         ),
         quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+        logger: Optional[list[str]] = typer.Option(
+            None,
+            "--logger",
+            help="Live logging (repeatable): tensorboard (event files in RUN/tb; pip install fedfeat[tensorboard]), "
+            "wandb (an offline W&B run in RUN/wandb; pip install fedfeat[wandb]) or a fedfeat.callbacks plugin.",
+        ),
+        log_dir: Optional[Path] = typer.Option(
+            None, help="Where --logger writes instead of the run directory (DIR/NAME for tensorboard)."
+        ),
     ) -> None:
         """Train a method federatedly on a store's cached features; writes a run directory."""
         from fedfeat.runs.config import resolve_config
@@ -183,6 +205,7 @@ def register(app: typer.Typer) -> None:
             save_partition=save_partition,
             progress=not quiet,
             log=typer.echo,
+            callbacks=_loggers(logger, log_dir),
         )
         if resume is not None:
             extra = [f"--{k.replace('_', '-')}" for k, v in cli.items() if v is not None]
@@ -215,7 +238,23 @@ def register(app: typer.Typer) -> None:
     def report(
         runs: list[Path] = typer.Argument(..., help="Run directories (or parents of run directories)."),
         fmt: str = typer.Option("markdown", "--format", help="markdown, csv or json (plain numbers)."),
-        plot: Optional[Path] = typer.Option(None, help="Draw every run's accuracy curve into this PNG."),
+        plot: Optional[Path] = typer.Option(
+            None,
+            help="Draw the runs into this figure (.pdf, .svg or .png; TrueType fonts): one panel per partition, "
+            "one mean ± std curve per setting over its seeds, the zero-shot level dashed.",
+        ),
+        kind: str = typer.Option(
+            "curves",
+            help="--plot's figure: curves (--metric per round) or clients (each client's accuracy, sorted).",
+        ),
+        metric: str = typer.Option(
+            "test_acc",
+            help="--plot curves: the per-round value of metrics.jsonl to draw (test_acc, local_acc, ...).",
+        ),
+        size: Optional[str] = typer.Option(
+            None,
+            help="--plot for print: one-column (3.3 in wide) or two-column (7 in), fonts sized to match.",
+        ),
         all_runs: bool = typer.Option(
             False, "--all", help="Also list unfinished runs (interrupted or running) and how to resume them."
         ),
@@ -243,10 +282,21 @@ def register(app: typer.Typer) -> None:
             plot = local_path(plot, "--plot", "a local file")
         warn = lambda msg: typer.echo(msg, err=True)  # noqa: E731
         typer.echo(
-            make_report(runs, fmt=fmt, plot=plot, all_runs=all_runs, seeds=seeds, best=best, warn=warn)
+            make_report(
+                runs,
+                fmt=fmt,
+                plot=plot,
+                all_runs=all_runs,
+                seeds=seeds,
+                best=best,
+                warn=warn,
+                metric=metric,
+                size=size,
+                kind=kind,
+            )  # fmt: skip
         )
-        if plot is not None:
-            typer.echo(f"plot: {plot}")
+        if plot is not None:  # csv / json: on stderr, stdout stays one parseable document
+            typer.echo(f"plot: {plot}", err=fmt != "markdown")
 
     @app.command()
     def sweep(
@@ -271,12 +321,30 @@ def register(app: typer.Typer) -> None:
         out: Optional[str] = typer.Option(None, help="Parent directory of the runs, local. Default runs/."),
         overwrite: bool = typer.Option(False, "--overwrite", help="Redo finished runs (default: skip them)."),
         fmt: str = typer.Option("markdown", "--format", help="The closing table: markdown, csv or json."),
-        quiet: bool = typer.Option(False, "--quiet", help="No per-run lines."),
+        quiet: bool = typer.Option(False, "--quiet", help="No per-run lines and no progress line."),
         stack: bool = typer.Option(
             True,
             "--stack/--no-stack",
             help="Make runs of fedavg / fedprox / fedntd / fst-cbdg that read the same data as one batched program along a "
             "run axis (seeds and hyperparameters may differ; each run equals the same run made alone).",
+        ),
+        launcher: str = typer.Option(
+            "local",
+            help="local (this process), slurm (Slurm jobs through submitit: pip install fedfeat[slurm]) or ray (Ray "
+            "tasks: pip install fedfeat[ray]); every launcher writes the same run directories.",
+        ),
+        jobs: int = typer.Option(
+            4, help="slurm / ray: how many jobs (tasks) the pending runs are split into."
+        ),
+        slurm_partition: Optional[str] = typer.Option(None, help="slurm: the Slurm partition of the jobs."),
+        slurm_time: int = typer.Option(60, help="slurm: each job's time limit in minutes."),
+        slurm_cluster: Optional[str] = typer.Option(
+            None,
+            help="slurm: submitit's cluster: slurm (default where sbatch exists), local (subprocesses here) or debug.",
+        ),
+        ray_address: Optional[str] = typer.Option(
+            None,
+            help="ray: a running cluster's address (auto: the one ray start made); default: Ray started here.",
         ),
     ) -> None:
         """Run a grid of runs in one process (stores, partitions and features loaded once; runs that read the same
@@ -300,10 +368,22 @@ def register(app: typer.Typer) -> None:
             kw["params"][k.strip()] = sw.parse_values(k.strip(), v, str)
         if out is not None:
             kw["fixed"]["out"] = str(out)
-        points = sw.expand(**kw)
+        from fedfeat.runs.launch import launch
+
         log = (lambda *a: None) if quiet else typer.echo
-        paths = sw.run_sweep(points, overwrite=overwrite, progress=False, log=log, stack=stack)
-        typer.echo(report(paths, fmt=fmt, seeds=True, warn=lambda m: typer.echo(m, err=True)))
+        points = sw.expand(**kw, log=log)
+        failures: list = []
+        with sw.Display(len(points), label="sweep", quiet=quiet) as display:
+            paths = launch(points, launcher=launcher, jobs=jobs, overwrite=overwrite, stack=stack, log=log,
+                           display=display, failures=failures, slurm_partition=slurm_partition,
+                           slurm_time=slurm_time, slurm_cluster=slurm_cluster, ray_address=ray_address)  # fmt: skip
+        made = list(dict.fromkeys(p for p in paths if p is not None))  # a run two points share: once
+        if made:
+            typer.echo(report(made, fmt=fmt, seeds=True, warn=lambda m: typer.echo(m, err=True)))
+        if failures:  # the others are written and reported; the command fails
+            for line in sw.failure_lines(failures):
+                typer.echo(line, err=True)
+            raise typer.Exit(1)
 
     @app.command()
     def reproduce(
@@ -335,7 +415,7 @@ def register(app: typer.Typer) -> None:
         overwrite: bool = typer.Option(
             False, "--overwrite", help="Redo finished runs (default: reuse them)."
         ),
-        quiet: bool = typer.Option(False, "--quiet", help="No per-run lines."),
+        quiet: bool = typer.Option(False, "--quiet", help="No per-run lines and no progress line."),
     ) -> None:
         """Run a paper's table (its grid x seeds, in one process) and print it in the paper's layout, ours
         (mean ± std) beside the paper's numbers, under a header with the setting."""
@@ -349,7 +429,10 @@ def register(app: typer.Typer) -> None:
             return
         if name is None:
             raise FedfeatError(f"name a table (fedfeat reproduce --list): {', '.join(TABLES)}")
+        from fedfeat.runs.sweep import failure_lines
+
         log = (lambda *a: None) if quiet else (lambda m: typer.echo(m, err=True))
+        failures: list = []
         typer.echo(
             run_table(
                 name,
@@ -361,5 +444,12 @@ def register(app: typer.Typer) -> None:
                 fmt=fmt,
                 overwrite=overwrite,
                 log=log,
+                progress=not quiet,
+                failures=failures,
             )  # fmt: skip
         )
+        # the table counts the runs that were made; the failed ones are listed and the command fails
+        if failures:
+            for line in failure_lines(failures):
+                typer.echo(line, err=True)
+            raise typer.Exit(1)

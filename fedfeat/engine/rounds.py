@@ -180,10 +180,14 @@ def local_accuracy(method, ctx: Context, glob: dict, correct: torch.Tensor, test
     else:
         accs = [float(correct[r.to(correct.device)].mean()) * 100 for r in ctx.local_test if len(r)]
     a = np.asarray(accs)
+    # every client's accuracy in client order (None: no local test rows), for RUN/results.npz's client_acc
+    it = iter(accs)
+    per_client = [float(next(it)) if len(r) else None for r in ctx.local_test]
     return {
         "local_acc": float(a.mean()) if len(a) else None,
         "local_acc_std": float(a.std(ddof=1)) if len(a) > 1 else None,
         "local_clients": len(a),
+        "client_acc": per_client,
     }
 
 

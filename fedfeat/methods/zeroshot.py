@@ -38,6 +38,7 @@ class ZeroShot(Method):
     Params = ZeroShotParams
     uses_labels = False
     federated = False
+    needs_partition = False  # no training data read: --partition settings are ignored (fedfeat.runs.train)
 
     def init_global(self, ctx):
         return {"W": ctx.text.clone(), "b": torch.zeros(ctx.K, device=ctx.device)}

@@ -190,3 +190,42 @@ def unfinished_runs(parents: list[Path]) -> list[dict]:
             )
             out.append(row)
     return out
+
+
+RESULTS = "results.npz"
+
+
+def load_results(run_dir) -> dict:
+    """A run's per-round per-class / per-client results (``RUN/results.npz``, ``fedfeat.runs.train.write_results``)
+    as ``{name: numpy array}``: ``rounds`` [E], ``class_acc`` [E, K] (%), ``client_acc`` [E, n_clients] (%, NaN
+    where a client has no local test rows; only with local test splits), ``confusion`` [K, K] (the last evaluated
+    round; rows true class, columns predicted). ``{}`` when the run has no such file (runs made before it existed).
+    Read without pickle; a damaged file is one ``FedfeatError`` line."""
+    import zipfile
+
+    import numpy as np
+
+    p = Path(os.fspath(run_dir)) / RESULTS
+    if not p.is_file():
+        return {}
+    try:
+        with np.load(p, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+        raise FedfeatError(
+            f"cannot read {p}: {e}; the run's per-class results are damaged (rerun it)"
+        ) from None
+
+
+def worst_client_acc(run_dir, frac: float = 0.1) -> float | None:
+    """The mean accuracy of the worst ``frac`` of clients (at least one) at the last evaluated round, from
+    ``results.npz``'s ``client_acc`` (clients without local test rows left out); None without per-client results."""
+    import numpy as np
+
+    ca = load_results(run_dir).get("client_acc")
+    if ca is None or not len(ca):
+        return None
+    last = np.sort(ca[-1][~np.isnan(ca[-1])])
+    if not len(last):
+        return None
+    return float(last[: max(1, int(np.ceil(frac * len(last))))].mean())

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import numpy as np
 
 from fedfeat.errors import FedfeatError
+
+# Type 42 (TrueType) fonts in PDF / PS, never Type 3: journals and arXiv reject Type 3 fonts
+FONT_RC = {"pdf.fonttype": 42, "ps.fonttype": 42}
+# figure widths (inches) of a paper's single column and full text width (ACM / IEEE / NeurIPS-style layouts)
+SIZES = {"one-column": 3.3, "two-column": 7.0}
 
 
 def _plt():
@@ -16,22 +22,34 @@ def _plt():
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
+    matplotlib.rcParams.update(FONT_RC)
     return plt
+
+
+def _print_rc(size: str | None) -> dict:
+    """rcParams for a printed figure of ``size`` (one-column: 8 pt text, two-column: 9 pt; legend >= 8 pt)."""
+    if size is None:
+        return {**FONT_RC, "legend.fontsize": 8}
+    if size not in SIZES:
+        raise FedfeatError(f"unknown --size '{size}'; choose one-column or two-column")
+    pt = 8 if size == "one-column" else 9
+    return {**FONT_RC, "font.size": pt, "axes.titlesize": pt, "axes.labelsize": pt, "xtick.labelsize": pt - 1,
+            "ytick.labelsize": pt - 1, "legend.fontsize": 8, "lines.linewidth": 1.2}  # fmt: skip
 
 
 FORMATS = (".png", ".pdf", ".svg")
 
 
-def _save(fig, path: str | Path) -> None:
+def _save(fig, path: str | Path, tight: bool = True) -> None:
     """Write atomically in the format the suffix names (PNG, PDF or SVG): a half-written figure never sits at
-    ``path``."""
+    ``path``. ``tight=False`` keeps the figure's exact size (print widths)."""
     path = Path(path)
     if path.suffix.lower() not in FORMATS:
         raise FedfeatError(f"cannot draw {path}: choose a .png, .pdf or .svg file name")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}{path.suffix}")
     try:
-        fig.savefig(tmp, dpi=130, bbox_inches="tight", format=path.suffix.lower()[1:])
+        fig.savefig(tmp, dpi=130, bbox_inches="tight" if tight else None, format=path.suffix.lower()[1:])
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -147,7 +165,7 @@ def _draw_partition(counts: np.ndarray, class_names: list[str], view: str = "hea
         ax.set_title(title or "samples per client, by class")
         if K <= 20:
             ax.legend(
-                fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, title="class"
+                fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, title="class"
             )
     else:
         raise FedfeatError(f"unknown partition view {view!r}: choose heatmap, percent or bars")
@@ -160,6 +178,8 @@ def plot_partition(
     """Draw a partition (``view``: heatmap | percent | bars) to ``path`` (.png, .pdf or .svg)."""
     _check_suffix(path)
     plt = _plt()
+    if title and readable_partition(title) != title:  # a partition key (fedfeat partition --plot): in words
+        title = readable_partition(title)
     fig = _draw_partition(counts, class_names, view, title)
     try:
         _save(fig, path)
@@ -286,17 +306,60 @@ def mean_std(runs) -> tuple[np.ndarray, np.ndarray | None]:
     return a.mean(axis=0), (a.std(axis=0, ddof=1) if a.shape[0] > 1 else None)
 
 
+def _fig_size(size: str | None, nr: int, nc: int) -> tuple[float, float]:
+    """Figure (width, height) in inches: the print width of ``size`` split over ``nc`` panels (height from a
+    panel's aspect, plus room for the legend below), or the screen default when ``size`` is None."""
+    if size is None:
+        return min(1.5 + 4.2 * nc, 18), min(1.2 + 3.4 * nr, 14)
+    w = SIZES[size]
+    panel_w = w / nc
+    return w, min(0.9 + nr * max(1.6, 0.8 * panel_w), 9.0)
+
+
+def _one_legend(fig, axes) -> None:
+    """One legend for the whole figure, below the panels (each label once, in first-drawn order), >= 8 pt, in as
+    many columns as fit the figure's width; the figure grows by the legend's height (panels keep theirs)."""
+    seen: dict = {}
+    for ax in axes:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(lab, h)
+    if not (len(seen) > 1 or "zero-shot" in seen):
+        return
+    fs = _plt().rcParams["legend.fontsize"]
+    fs = max(8.0, float(fs)) if isinstance(fs, (int, float)) else 8.0  # never below 8 pt
+    w_pt = fig.get_size_inches()[0] * 72
+    col_pt = 0.55 * fs * max(len(t) for t in seen) + 3.5 * fs  # text + handle + gap, about
+    ncol = max(1, min(len(seen), int(w_pt // col_pt)))
+    rows = -(-len(seen) // ncol)
+    w, h = fig.get_size_inches()
+    fig.set_size_inches(w, h + (rows * 1.45 * fs + fs) / 72)
+    fig.legend(
+        list(seen.values()), list(seen), loc="outside lower center", ncol=ncol, frameon=False, fontsize=fs
+    )
+
+
+def _title(ax, text: str, fig, nc: int) -> None:
+    """A panel title, wrapped to the panel's width."""
+    import textwrap
+
+    fs = ax.title.get_fontsize()
+    chars = max(12, int(fig.get_size_inches()[0] / nc * 72 / (0.55 * fs)))
+    ax.set_title("\n".join(textwrap.wrap(text, chars)) if len(text) > chars else text)
+
+
 def _draw_seed_curves(
     groups: list[dict],
     *,
     reference=None,
     title: str | None = None,
     metric: str | list[str] = "test_acc",
+    size: str | None = None,
 ):
     """The figure (returned open). One panel per distinct ``panel`` value (first-seen order; with a metric list,
     one panel per (panel, metric): metrics as rows, panels as columns), y axis shared; per group the mean over
-    seeds with a shaded ± std band (ddof=1; none when n = 1); the legend reads "label (n=seeds)". ``reference``:
-    a number or ``{panel: number}``, drawn dashed as "zero-shot"."""
+    seeds with a shaded ± std band (ddof=1; none when n = 1); ONE legend for the figure, below the panels, reads
+    "label (n=seeds)". ``reference``: a number or ``{panel: number}``, drawn dashed as "zero-shot". ``size``:
+    one-column / two-column print widths (:data:`SIZES`), or None for a screen figure."""
     plt = _plt()
     from matplotlib.ticker import MaxNLocator
 
@@ -307,9 +370,17 @@ def _draw_seed_curves(
     labels = list(dict.fromkeys(g["label"] for g in groups))
     cmap = plt.get_cmap("tab20" if len(labels) > 10 else "tab10")
     color = {lab: cmap(i % cmap.N) for i, lab in enumerate(labels)}
+    seeds_of: dict = {}  # label -> seed counts over its panels: one legend entry per label, "n=3" or "n=2-3"
+    for g in groups:
+        v = g["runs"] if isinstance(metric, str) else g["runs"][metrics[0]]
+        seeds_of.setdefault(g["label"], set()).add(len(v))
+    legend_text = {
+        lab: f"{lab} (n={min(ns)}" + (f"–{max(ns)}" if len(ns) > 1 else "") + ")"
+        for lab, ns in seeds_of.items()
+    }
     nr, nc = len(metrics), len(panels)
     fig, axes = plt.subplots(
-        nr, nc, figsize=(min(1.5 + 4.2 * nc, 18), min(0.6 + 3.4 * nr, 14)), sharey=True, squeeze=False
+        nr, nc, figsize=_fig_size(size, nr, nc), sharey=True, squeeze=False, layout="constrained"
     )
     for i, m in enumerate(metrics):
         for j, panel in enumerate(panels):
@@ -322,13 +393,12 @@ def _draw_seed_curves(
                     continue
                 mean, std = mean_std(vals)
                 xs = np.asarray(g["rounds"], dtype=float)
-                n = len(vals)
-                ax.plot(xs, mean, color=color[g["label"]], lw=1.6, label=f"{g['label']} (n={n})")
+                ax.plot(xs, mean, color=color[g["label"]], lw=1.4, label=legend_text[g["label"]])
                 if std is not None:
                     ax.fill_between(xs, mean - std, mean + std, color=color[g["label"]], alpha=0.2, lw=0)
             ref = reference.get(panel) if isinstance(reference, dict) else reference
             if ref is not None:
-                ax.axhline(float(ref), color="0.3", ls="--", lw=1.1, label="zero-shot")
+                ax.axhline(float(ref), color="0.3", ls="--", lw=1.0, label="zero-shot")
             ax.grid(alpha=0.3)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds: no 2.5
             if i == nr - 1:
@@ -336,12 +406,18 @@ def _draw_seed_curves(
             if j == 0:
                 ax.set_ylabel(METRIC_LABELS.get(m, m))
             if i == 0 and (nc > 1 or panel):
-                ax.set_title(panel, fontsize=9)
-            ax.legend(fontsize=7, loc="best")
+                _title(ax, panel, fig, nc)
+    _one_legend(fig, [ax for row in axes for ax in row])
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
     return fig
+
+
+def _panel_title(panel_key: str, value) -> str:
+    """A panel's title: a partition key as :func:`readable_partition` words, other keys as ``key: value``."""
+    if value in ("", None):
+        return ""
+    return readable_partition(str(value)) if panel_key == "partition" else f"{panel_key}: {value}"
 
 
 def plot_seed_curves(
@@ -352,25 +428,30 @@ def plot_seed_curves(
     reference=None,
     title: str | None = None,
     metric: str | list[str] = "test_acc",
+    size: str | None = None,
 ) -> None:
     """Mean ± std over seeds per group, one panel per ``panel`` value, to ``path`` (.png, .pdf or .svg).
 
     ``groups``: ``[{"label": str, "panel": str, "rounds": [r...], "runs": [[value per round] per seed]}]`` (as
-    :func:`seed_groups` makes them; ``panel_key`` names what ``panel`` holds, used as the panel title prefix).
-    ``metric`` a list (e.g. ``["many_acc", "medium_acc", "few_acc"]``, long-tailed runs): ``runs`` is then
-    ``{metric: [[...] per seed]}`` and each metric gets its own row of panels."""
+    :func:`seed_groups` makes them; ``panel_key`` names what ``panel`` holds: partition keys become readable
+    titles, ``readable_partition``). ``metric`` a list (e.g. ``["many_acc", "medium_acc", "few_acc"]``,
+    long-tailed runs): ``runs`` is then ``{metric: [[...] per seed]}`` and each metric gets its own row of panels.
+    ``size``: ``one-column`` (3.3 in) or ``two-column`` (7 in) print width, fonts sized for print. PDFs embed
+    TrueType (Type 42) fonts."""
     _check_suffix(path)
     plt = _plt()
-    named = [
-        dict(g, panel=f"{panel_key}: {g.get('panel', '')}" if g.get("panel", "") != "" else "")
-        for g in groups
-    ]
-    ref = {f"{panel_key}: {k}": v for k, v in reference.items()} if isinstance(reference, dict) else reference
-    fig = _draw_seed_curves(named, reference=ref, title=title, metric=metric)
-    try:
-        _save(fig, path)
-    finally:
-        plt.close(fig)
+    with plt.rc_context(_print_rc(size)):
+        named = [dict(g, panel=_panel_title(panel_key, g.get("panel", ""))) for g in groups]
+        ref = (
+            {_panel_title(panel_key, k): v for k, v in reference.items()}
+            if isinstance(reference, dict)
+            else reference
+        )
+        fig = _draw_seed_curves(named, reference=ref, title=title, metric=metric, size=size)
+        try:
+            _save(fig, path, tight=size is None)
+        finally:
+            plt.close(fig)
 
 
 def plot_group_curves(groups: list[dict], path: str | Path, **kw) -> None:
@@ -378,3 +459,136 @@ def plot_group_curves(groups: list[dict], path: str | Path, **kw) -> None:
     metric=["many_acc", "medium_acc", "few_acc"])`` makes the groups)."""
     kw.setdefault("metric", ["many_acc", "medium_acc", "few_acc"])
     plot_seed_curves(groups, path, **kw)
+
+
+# --------------------------------------------------------------------------------------------- readable labels
+
+_KEY = re.compile(
+    r"^(?P<scheme>[a-z][a-z-]*?)(?:-sh(?P<shards>\d+))?(?:-a(?P<alpha>[0-9.]+(?:e[+-]?\d+)?))?"
+    r"(?:-shot(?P<shots>\d+))?-c(?P<clients>\d+)(?:-s(?P<seed>\d+))?(?:-o(?P<order>.+))?$"
+)
+_SCHEME_WORDS = {"iid": "IID", "longtail": "long-tailed", "dirichlet-equal": "Dir(α = {a}), equal sizes",
+                 "dirichlet-joint": "Dir(α = {a}) on train and test", "dirichlet": "Dir(α = {a})"}  # fmt: skip
+
+
+def readable_partition(key: str) -> str:
+    """A partition key (``fedfeat.partition.core.partition_key``) in words, for panel titles:
+
+    >>> readable_partition("dirichlet-a0.1-c100-s19940817")
+    'Dir(α = 0.1), 100 clients'
+    >>> readable_partition("lt100+shard-sh2-c10-s7")
+    'LT IF=100, 2 shards per client, 10 clients'
+
+    The partition seed is named only when it is not the scheme's default (``default_seed``); a key in no known
+    format comes back unchanged."""
+    from fedfeat.partition.make import default_seed
+
+    rest, imb = str(key), None
+    m = re.match(r"^lt([0-9.]+(?:e[+-]?\d+)?)\+(.+)$", rest)
+    if m:
+        imb, rest = m.group(1), m.group(2)
+    k = _KEY.match(rest)
+    if not k:
+        return str(key)
+    g = k.groupdict()
+    scheme = g["scheme"]
+    if scheme == "shard" and g["shards"]:
+        words = f"{g['shards']} shard{'s' if g['shards'] != '1' else ''} per client"
+    elif scheme == "disjoint-classes":
+        words = "disjoint classes" + (f", {g['shots']} shots" if g["shots"] else "")
+    elif scheme in _SCHEME_WORDS and ("{a}" not in _SCHEME_WORDS[scheme] or g["alpha"]):
+        words = _SCHEME_WORDS[scheme].format(a=g["alpha"])
+    else:
+        words = (
+            scheme
+            + (f", α = {g['alpha']}" if g["alpha"] else "")
+            + (f", {g['shots']} shots" if g["shots"] else "")
+        )
+    parts = ([f"LT IF={imb}"] if imb else []) + [
+        words,
+        f"{g['clients']} client{'s' if g['clients'] != '1' else ''}",
+    ]
+    if g["seed"] is not None:
+        try:
+            dflt = default_seed(scheme, float(imb) if imb else None)
+        except Exception:  # noqa: BLE001 - an unknown scheme: name the seed
+            dflt = None
+        if int(g["seed"]) != dflt:
+            parts.append(f"seed {g['seed']}")
+    if g["order"]:
+        parts.append(f"{g['order']} class order")
+    return ", ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------- per-client figure
+
+
+def _draw_clients(groups: list[dict], *, size: str | None = None, frac: float = 0.1):
+    """Per-client accuracy, sorted from best to worst, one panel per ``panel`` (the figure, returned open).
+
+    ``groups``: ``[{"label", "panel", "acc": [[acc per client] per seed]}]``: each seed's vector (NaN = a client
+    without local test rows, left out) is sorted descending; the line is the rank-wise mean over seeds (± std band
+    with n > 1 seeds of equal client counts), the x axis the client's rank as a fraction of the clients (0 best,
+    1 worst) so that client counts may differ. The legend gives the mean of the worst ``frac`` of clients."""
+    plt = _plt()
+    if not groups:
+        raise FedfeatError(
+            "no runs with per-client results (results.npz client_acc; train with --local-test)"
+        )
+    panels = list(dict.fromkeys(str(g.get("panel", "")) for g in groups))
+    labels = list(dict.fromkeys(g["label"] for g in groups))
+    cmap = plt.get_cmap("tab20" if len(labels) > 10 else "tab10")
+    color = {lab: cmap(i % cmap.N) for i, lab in enumerate(labels)}
+    fig, axes = plt.subplots(
+        1,
+        len(panels),
+        figsize=_fig_size(size, 1, len(panels)),
+        sharey=True,
+        squeeze=False,
+        layout="constrained",
+    )
+    for j, panel in enumerate(panels):
+        ax = axes[0][j]
+        for g in groups:
+            if str(g.get("panel", "")) != panel:
+                continue
+            vecs = [np.sort(np.asarray(a, float)[~np.isnan(np.asarray(a, float))])[::-1] for a in g["acc"]]
+            vecs = [v for v in vecs if len(v)]
+            if not vecs:
+                continue
+            n = min(len(v) for v in vecs)
+            if len({len(v) for v in vecs}) > 1:  # unequal client counts: each seed's curve on its own
+                vecs = [np.interp(np.linspace(0, 1, n), np.linspace(0, 1, len(v)), v) for v in vecs]
+            mean, std = mean_std(np.stack(vecs))
+            worst = float(np.mean([np.mean(v[::-1][: max(1, int(np.ceil(frac * len(v))))]) for v in vecs]))
+            xs = np.linspace(0, 1, n) if n > 1 else np.zeros(1)
+            lab = f"{g['label']} (n={len(vecs)}; worst {frac:.0%}: {worst:.1f})"
+            ax.plot(
+                xs, mean, color=color[g["label"]], lw=1.4, label=lab, marker="o" if n <= 20 else None, ms=3
+            )
+            if std is not None:
+                ax.fill_between(xs, mean - std, mean + std, color=color[g["label"]], alpha=0.2, lw=0)
+        ax.grid(alpha=0.3)
+        ax.set_xlabel("client rank (best → worst, fraction of clients)")
+        if j == 0:
+            ax.set_ylabel("local test accuracy (%)")
+        if panel:
+            _title(ax, panel, fig, len(panels))
+    _one_legend(fig, [a for row in axes for a in row])
+    return fig
+
+
+def plot_clients(
+    groups: list[dict], path: str | Path, *, panel_key: str = "partition", size: str | None = None
+) -> None:
+    """The per-client figure (:func:`_draw_clients`) to ``path`` (.png, .pdf or .svg); partition panels get
+    readable titles; ``size`` as in :func:`plot_seed_curves`."""
+    _check_suffix(path)
+    plt = _plt()
+    with plt.rc_context(_print_rc(size)):
+        named = [dict(g, panel=_panel_title(panel_key, g.get("panel", ""))) for g in groups]
+        fig = _draw_clients(named, size=size)
+        try:
+            _save(fig, path, tight=size is None)
+        finally:
+            plt.close(fig)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from fedfeat.errors import FedfeatError
-from fedfeat.report.load import collect_runs, unfinished_runs
+from fedfeat.report.load import collect_runs, unfinished_runs, worst_client_acc
 
 
 def report(
@@ -24,6 +24,9 @@ def report(
     seeds: bool = False,
     best: bool = False,
     warn=None,
+    metric: str = "test_acc",
+    size: str | None = None,
+    kind: str = "curves",
 ) -> str:
     """A comparison table of finished runs (markdown or CSV) and, optionally, all their curves in one PNG.
 
@@ -34,8 +37,13 @@ def report(
 
     A path is a run directory or a parent of run directories; hidden entries (runs being written, temporary
     files) are never read as runs. A run that cannot be read is skipped with a one-line warning (``warn``); the
-    report fails only when no run is readable. ``all_runs`` adds the unfinished runs (interrupted or running)."""
-    from fedfeat.report.plots import plot_curves
+    report fails only when no run is readable. ``all_runs`` adds the unfinished runs (interrupted or running).
+
+    ``plot``: the figure of the reported runs (``seed_figure``: runs differing only in their seed drawn as one
+    mean ± std curve; with ``best``, the selected settings only); ``kind`` curves (``metric`` per round) or clients
+    (each client's accuracy, sorted); ``size`` one-column / two-column (print widths). ``best`` with ``fmt="json"``
+    is one JSON object ``{"selection": <how the settings were selected>, "selected_on": "val_acc" | "final_acc",
+    "groups": [...]}``; in markdown / CSV that sentence is the first line."""
 
     if fmt not in ("markdown", "csv", "json"):
         raise FedfeatError(f"unknown format '{fmt}'; choose markdown, csv or json")
@@ -56,13 +64,22 @@ def report(
         warn(f"warning: {msg}")
     if not runs:
         return _unfinished_table(unfinished, fmt)
+    if plot is not None:
+        _check_figure_args(runs, metric, size, kind)
     if best:
-        runs, note = _best_settings(runs)
+        runs, note, on = _best_settings(runs)
+        if plot is not None:
+            seed_figure(runs, plot, metric=metric, size=size, kind=kind)
+        if fmt == "json":  # one valid JSON document: the selection rule is a field
+            groups = json.loads(seed_table([s for s, _, _ in runs], fmt))
+            return json.dumps({"selection": note, "selected_on": on, "groups": groups}, indent=1)
         return note + "\n\n" + seed_table([s for s, _, _ in runs], fmt)
     if seeds:
         if plot is not None:
-            seed_figure([(s, m) for s, m, _ in runs], plot)
+            seed_figure(runs, plot, metric=metric, size=size, kind=kind)
         return seed_table([s for s, _, _ in runs], fmt)
+    if plot is not None:  # before any return: --plot always writes its file
+        seed_figure(runs, plot, metric=metric, size=size, kind=kind)
     if fmt == "json":  # the runs' summaries, plain numbers
         return json.dumps([{**s, "path": str(q)} for s, _, q in runs], indent=1)
     has_lt = any("many_acc" in s for s, _, _ in runs)
@@ -84,10 +101,10 @@ def report(
         cols += ["novel P", "novel R", "novel F1", "base acc", "HM"]
     has_local = any(s.get("local_acc") is not None for s, _, _ in runs)
     if has_local:  # --local-test: the mean of per-client accuracies on local test splits (FedCoPL)
-        cols += ["local acc"]
+        cols += ["local acc", "worst-10% client acc"]  # the latter from results.npz's client_acc
     cols += ["s/round", "MB up"]
     rows = []
-    for s, _m, _ in runs:
+    for s, _m, q in runs:
         defaults = _method_defaults(s["method"])
         changed = {k: v for k, v in s["params"].items() if defaults.get(k, v) != v}
         row = [
@@ -109,18 +126,9 @@ def report(
         if has_ov:
             row += [_fmt(s.get(k)) for k in ov_keys]
         if has_local:
-            row += [_fmt(s.get("local_acc"))]
+            row += [_fmt(s.get("local_acc")), _fmt(worst_client_acc(q))]
         row += [f"{s['seconds_per_round']:.3f}", f"{s['bytes_up'] / 1e6:.1f}"]
         rows.append(row)
-    if plot is not None:
-        curves = {}
-        for (s, m, p), row in zip(runs, rows):
-            label = f"{s['method']}" + (f" [{row[1]}]" if row[1] != "-" else "") + f" | {s['partition']}"
-            if label in curves:
-                label += f" ({Path(p).name[-24:]})"
-            m = [r for r in m if r["test_acc"] is not None]
-            curves[label] = ([r["round"] for r in m], [r["test_acc"] for r in m])
-        plot_curves(curves, plot, title="test accuracy")
     text = _table(cols, rows, fmt)
     return text + ("\n\n" + _unfinished_table(unfinished, fmt) if unfinished else "")
 
@@ -155,7 +163,7 @@ SEED_METRICS = {"final_acc": "final acc", "best_acc": "best acc (selected on tes
                 "pseudo_label_acc": "pseudo-label acc", "local_acc": "local acc"}  # fmt: skip
 
 
-def _best_settings(runs: list) -> tuple[list, str]:
+def _best_settings(runs: list) -> tuple[list, str, str]:
     """Keep, per (method, partition, store, rounds, clients, participation), the runs of the settings group whose
     mean selection metric is highest."""
     metric = "val_acc" if runs and all(s.get("val_acc") is not None for s, _, _ in runs) else "final_acc"
@@ -176,39 +184,149 @@ def _best_settings(runs: list) -> tuple[list, str]:
         else "best settings selected on the TEST split's final accuracy (these runs record no validation "
         "accuracy): optimistic, do not report it as a held-out result"
     )
-    return kept, note
+    return kept, note, metric
 
 
-def seed_figure(runs: list[tuple[dict, list[dict]]], path: Path) -> None:
-    """A paper's figure of seed-grouped runs: one panel per partition, each setting's mean curve with a ± std band
-    over its seeds (``fedfeat.report.plots.plot_seed_curves``), labelled like the seed table (the method and its settings
-    that differ from the method's defaults), the zero-shot level as a dashed line (from the ``zeroshot`` runs, which
-    are not drawn as curves); long-tailed runs add rows of panels for many / medium / few."""
-    from fedfeat.report.plots import plot_seed_curves
+FIGURE_KINDS = ("curves", "clients")
 
-    zs = [(s, m) for s, m in runs if s["method"] == "zeroshot"]
-    others = [(s, m) for s, m in runs if s["method"] != "zeroshot"] or zs
-    reference = {s["partition"]: s["final_acc"] for s, _ in zs} if zs and others is not zs else None
-    metrics = ["test_acc"]
-    if any("many_acc" in s for s, _ in others):
-        metrics += ["many_acc", "medium_acc", "few_acc"]
+
+def _curve_keys(runs) -> list[str]:
+    """The per-round numeric values the runs' metrics.jsonl rows record (``--metric``'s choices)."""
+    keys: dict = {}
+    for r in runs:
+        for row in r[1]:
+            for k, v in row.items():
+                if k != "round" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    keys[k] = None
+    skip = ("bytes_up", "bytes_down", "seconds", "train_seconds", "train_loss")
+    return [k for k in keys if k not in skip] + [k for k in skip if k in keys]
+
+
+def _check_figure_args(runs, metric: str, size: str | None, kind: str) -> None:
+    """Refuse a bad ``--kind`` / ``--size`` / ``--metric`` before anything is drawn (one line each)."""
+    from fedfeat.report.plots import SIZES
+
+    if kind not in FIGURE_KINDS:
+        raise FedfeatError(f"unknown --kind '{kind}'; choose {' or '.join(FIGURE_KINDS)}")
+    if size is not None and size not in SIZES:
+        raise FedfeatError(f"unknown --size '{size}'; choose one-column or two-column")
+    if kind == "curves" and not any(row.get(metric) is not None for r in runs for row in r[1]):
+        hint = " (final_acc / best_acc are the last / best point of test_acc's curve)" if metric in (
+            "final_acc", "best_acc") else ""  # fmt: skip
+        raise FedfeatError(
+            f"--metric {metric}: no run records it per round{hint}; choose one of "
+            f"{', '.join(_curve_keys(runs)) or 'test_acc'}"
+        )
+
+
+_ZS_CACHE: dict = {}
+
+
+def store_zeroshot(store_path) -> float | None:
+    """CLIP zero-shot top-1 accuracy (%) on a store's test split, from its cached features: argmax over classes of
+    cos(image, text) with the first prompt template -- ``zeroshot``'s default (``templates="first"``), label -1 rows
+    left out. Computed once per store and process (nothing written); None when the store cannot be read or has
+    no test split."""
+    key = str(store_path)
+    if key in _ZS_CACHE:
+        return _ZS_CACHE[key]
+    from fedfeat.store.featurestore import FeatureStore
+
+    acc = None
+    try:
+        st = FeatureStore.open(store_path, mode="r")
+        if "test" in st.splits:
+            y = st.labels("test")
+            keep = y >= 0
+            x = st.features("test")[keep].astype(np.float32)
+            t = st.text_features()[0].astype(np.float32)  # [K, D]: the first template
+            x /= np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+            t /= np.maximum(np.linalg.norm(t, axis=1, keepdims=True), 1e-12)
+            if keep.any():
+                acc = float(np.mean((x @ t.T).argmax(1) == y[keep]) * 100.0)
+    except (FedfeatError, OSError, ValueError, KeyError):  # moved / unreadable store: no line
+        acc = None
+    _ZS_CACHE[key] = acc
+    return acc
+
+
+def _zeroshot_reference(zs, others, metric: str) -> dict | None:
+    """``{partition: zero-shot accuracy}`` for the test-accuracy figure: a ``zeroshot`` run's final accuracy where
+    the set has one for that partition, else the store's (``store_zeroshot``) when the panel's runs read one store
+    and are not open-vocabulary (their test accuracy is on novel classes only)."""
+    if metric != "test_acc":
+        return None
+    ref = {r[0]["partition"]: r[0]["final_acc"] for r in zs}
+    stores: dict = {}
+    for r in others:
+        s = r[0]
+        stores.setdefault(s["partition"], set()).add(
+            None if "novel_f1" in s or s.get("store") is None else str(s["store"])
+        )
+    for part, ss in stores.items():
+        if part not in ref and len(ss) == 1 and None not in ss:
+            v = store_zeroshot(next(iter(ss)))
+            if v is not None:
+                ref[part] = v
+    return ref or None
+
+
+def seed_figure(
+    runs: list[tuple], path: Path, *, metric: str = "test_acc", size: str | None = None, kind: str = "curves"
+) -> None:
+    """A paper's figure of seed-grouped runs (``runs``: ``(summary, metrics rows[, run dir])``): one panel per
+    partition (readable titles), each setting's mean curve of ``metric`` (a per-round value of metrics.jsonl)
+    with a ± std band over its seeds (``fedfeat.report.plots.plot_seed_curves``), labelled like the seed table
+    (the method and its settings that differ from the method's defaults; defaults unlabelled), one legend for the
+    figure, the zero-shot level as a dashed line (``_zeroshot_reference``: the ``zeroshot`` runs, which are not
+    drawn as curves, else the store's own zero-shot accuracy); long-tailed runs add rows of panels for many /
+    medium / few. ``kind="clients"``: each client's accuracy at the last evaluated round, sorted
+    (``results.npz``'s ``client_acc``; run directories needed)."""
+    from fedfeat.report.plots import plot_clients, plot_seed_curves
+
+    _check_figure_args(runs, metric, size, kind)
+    zs = [r for r in runs if r[0]["method"] == "zeroshot"]
+    others = [r for r in runs if r[0]["method"] != "zeroshot"] or zs
     grouped: dict[tuple, list] = {}
-    for s, m in others:
+    for r in others:
+        s = r[0]
         defaults = _method_defaults(s["method"])
         changed = " ".join(f"{k}={v}" for k, v in s["params"].items() if defaults.get(k, v) != v)
         key = (s["method"] + (f" {changed}" if changed else ""), s["partition"], s.get("store_fingerprint"),
                s["rounds"])  # fmt: skip
-        grouped.setdefault(key, []).append(m)
+        grouped.setdefault(key, []).append(r)
+    if kind == "clients":
+        from fedfeat.report.load import load_results
+
+        groups = []
+        for (label, panel, _, _), rs in grouped.items():
+            accs = [load_results(r[2]).get("client_acc") if len(r) > 2 else None for r in rs]
+            accs = [a[-1] for a in accs if a is not None and len(a)]
+            if accs:
+                groups.append({"label": label, "panel": panel, "acc": accs})
+        if not groups:
+            raise FedfeatError(
+                "--kind clients: no run has per-client results (RUN/results.npz client_acc); train with --local-test"
+            )
+        plot_clients(groups, path, size=size)
+        return
+    metrics = [metric]
+    if metric == "test_acc" and any("many_acc" in r[0] for r in others):
+        metrics += ["many_acc", "medium_acc", "few_acc"]
     groups = []
-    for (label, panel, _, _), ms in grouped.items():
-        rounds = sorted(
-            set.intersection(*[{r["round"] for r in m if r.get("test_acc") is not None} for m in ms])
-        )
+    for (label, panel, _, _), rs in grouped.items():
+        ms = [r[1] for r in rs]
+        rounds = sorted(set.intersection(*[{r["round"] for r in m if r.get(metric) is not None} for m in ms]))
+        if not rounds:
+            continue
         by_round = [{r["round"]: r for r in m} for m in ms]
         runs_of = {k: [[br[r].get(k) for r in rounds] for br in by_round] for k in metrics}
         groups.append({"label": label, "panel": panel, "rounds": rounds,
-                       "runs": runs_of["test_acc"] if len(metrics) == 1 else runs_of})  # fmt: skip
-    plot_seed_curves(groups, path, reference=reference, metric=metrics[0] if len(metrics) == 1 else metrics)
+                       "runs": runs_of[metric] if len(metrics) == 1 else runs_of})  # fmt: skip
+    reference = _zeroshot_reference(zs if others is not zs else [], others, metric)
+    plot_seed_curves(
+        groups, path, reference=reference, metric=metrics[0] if len(metrics) == 1 else metrics, size=size
+    )
 
 
 def seed_groups(summaries: list[dict]) -> list[dict]:

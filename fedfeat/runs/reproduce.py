@@ -653,10 +653,15 @@ def reproduce(
     fmt: str = "markdown",
     overwrite: bool = False,
     log=print,
+    progress: bool = False,
+    failures: list | None = None,
 ) -> str:
-    """Run table ``name``'s grid (finished runs are reused) and return it rendered."""
+    """Run table ``name``'s grid (finished runs are reused) and return it rendered. ``progress``: one progress
+    line on stderr (``fedfeat.runs.sweep.Display``). A run that fails does not stop the others: with a
+    ``failures`` list each is appended to it (``fedfeat.runs.sweep.Failure``) and its cell counts the runs that
+    were made; without one, ``SweepFailed`` is raised after the others."""
     from fedfeat.report.load import load_run
-    from fedfeat.runs.sweep import run_sweep
+    from fedfeat.runs.sweep import Display, SweepFailed, run_sweep
 
     if name not in TABLES:
         raise FedfeatError(f"unknown table '{name}'; known: {', '.join(TABLES)}")
@@ -733,22 +738,35 @@ def reproduce(
         paths: list = [None] * len(pts)
         safe = [i for (r, _), idx in where.items() if r not in live for i in idx]
         safe = sorted(set(safe))
+        display = Display(len(pts), label=name, quiet=not progress)
+        failed: list = []
         if safe:
-            for i, p in zip(
-                safe, run_sweep([pts[i] for i in safe], overwrite=overwrite, progress=False, log=log)
-            ):
+            sub: list = []
+            got = run_sweep([pts[i] for i in safe], overwrite=overwrite, progress=False, log=log, failures=sub,
+                            display=display)  # fmt: skip
+            failed += [f._replace(index=safe[f.index]) for f in sub]
+            for i, p in zip(safe, got):
                 paths[i] = p
         for (r, c), idx in where.items():
             if r not in live or not idx:
                 continue
+            before = display.done
             try:
-                got = run_sweep([pts[i] for i in idx], overwrite=overwrite, progress=False, log=log)
+                got = run_sweep([pts[i] for i in idx], overwrite=overwrite, progress=False, log=log,
+                                display=display)  # fmt: skip
             except FedfeatError as e:
-                blocked[(r, c)] = str(e)
-                log(f"{table.rows[r].label} in {table.columns[c].label}: n/a ({e})")
+                why = e.failures[0].error if isinstance(e, SweepFailed) else str(e)  # the run's own error
+                blocked[(r, c)] = why
+                log(f"{table.rows[r].label} in {table.columns[c].label}: n/a ({why})")
+                display.advance(before + len(idx) - display.done)  # the cell's runs, counted as done
                 continue
             for i, p in zip(idx, got):
                 paths[i] = p
+        display.close()
+        if failed and failures is None:
+            raise SweepFailed(failed)
+        if failures is not None:
+            failures.extend(failed)
     summaries = [None if p is None else load_run(p)[0] for p in paths]
     _refuse_empty(name, table, summaries, where, skipped, blocked, synthetic)
     return render(

@@ -41,6 +41,7 @@ import contextlib
 import itertools
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 from fedfeat.errors import FedfeatError
 from fedfeat.runs.session import active, session
@@ -55,13 +56,43 @@ def _as_list(key: str, v) -> list:
 
 
 def expand(grid: dict | None = None, params: dict | None = None, cells: list[dict] | None = None,
-           fixed: dict | None = None, fixed_params: dict | None = None) -> list[tuple[dict, dict]]:  # fmt: skip
+           fixed: dict | None = None, fixed_params: dict | None = None, *, log=None) -> list[tuple[dict, dict]]:  # fmt: skip
     """The grid's points as ``(settings, params)`` pairs, in a deterministic order: cells outermost, then the
     grid's keys in the order given, then its params.
 
     ``cells`` is a list of tables (settings that vary together; a cell's ``params`` table adds hyperparameters), or
     a dict of such lists (``[[cells.methods]]``, ``[[cells.partitions]]``), which are crossed. Every key and value
-    is type-checked first (``check_grid``): a wrong one is a one-line ``FedfeatError``."""
+    is type-checked first (``check_grid``): a wrong one is a one-line ``FedfeatError``.
+
+    A hyperparameter that a point's method lacks drops out of that point (``--method fedavg,fedprox --set
+    mu=0.01,0.1``: fedprox twice, fedavg once), said once per method in ``log``; points that become equal are kept
+    once, at the first one's place (``applicable_points``)."""
+    return applicable_points(_expand(grid, params, cells, fixed, fixed_params), log=log)
+
+
+def applicable_points(points: list[tuple[dict, dict]], log=None) -> list[tuple[dict, dict]]:
+    """Each point with only the hyperparameters its method has (``_applicable``), points that thereby become
+    equal kept once (the first); each (method, dropped keys) said once in ``log``."""
+    from fedfeat.runs.config import DEFAULTS
+
+    said: set = set()
+
+    def once(msg: str) -> None:
+        if log is not None and msg not in said:
+            said.add(msg)
+            log(msg)
+
+    out, seen = [], set()
+    for settings, params in points:
+        ps = _applicable(settings.get("method", DEFAULTS["method"]), params, once)
+        key = (repr(sorted(settings.items())), repr(sorted(ps.items())))
+        if key not in seen:
+            seen.add(key)
+            out.append((settings, ps))
+    return out
+
+
+def _expand(grid, params, cells, fixed, fixed_params) -> list[tuple[dict, dict]]:
     check_grid(grid, params, cells, fixed, fixed_params, where="sweep grid")
     grid, params = dict(grid or {}), dict(params or {})
     axes = list(cells.values()) if isinstance(cells, dict) else [cells or [{}]]
@@ -297,6 +328,86 @@ def _applicable(method: str, params: dict, log) -> dict:
 STACK_MAX = 16
 
 
+class Failure(NamedTuple):
+    """A grid point whose run failed: its index in the points, its run name, the error's one line."""
+
+    index: int
+    name: str
+    error: str
+
+
+def one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    if isinstance(e, FedfeatError):
+        return text[0] if text else ""
+    return f"{type(e).__name__}: {' '.join(text)}"
+
+
+class SweepFailed(FedfeatError):
+    """Raised at the end of ``run_sweep`` (without a ``failures`` list) when runs failed; the others are written."""
+
+    def __init__(self, failures: list[Failure]):
+        self.failures = list(failures)
+        f = failures[0]
+        more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+        super().__init__(f"run {f.name} failed: {f.error}{more}; the other runs are written")
+
+
+class Display:
+    """One progress line for long jobs (``sweep``, ``reproduce``): runs done / total, failures, ETA -- a ``rich``
+    progress line on stderr; nothing when ``quiet``. ``advance`` counts runs (skipped finished ones too)."""
+
+    def __init__(self, total: int, *, label: str = "runs", quiet: bool = False):
+        self.total, self.done, self.failed, self.quiet, self.label = total, 0, 0, quiet, label
+        self._bar = self._task = None
+
+    def start(self) -> None:
+        """Show the line (``run_sweep`` calls it once its points are checked: a refused sweep prints no progress)."""
+        if self._bar is not None or self.quiet or self.total <= 0:
+            return
+        label, total = self.label, self.total
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._bar = Progress(
+            TextColumn(f"[bold]{label}[/bold]"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("failed {task.fields[failed]}"),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+            transient=False,
+        )
+        self._task = self._bar.add_task(label, total=total, failed=0)
+        self._bar.start()
+
+    def advance(self, n: int = 1, failed: int = 0) -> None:
+        self.start()
+        self.done += n
+        self.failed += failed
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.done, failed=self.failed)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def failure_lines(failures: list[Failure]) -> list[str]:
+    """The closing report of failed runs: a header and one line per run with its one-line error."""
+    if not failures:
+        return []
+    return [f"{len(failures)} run(s) failed:"] + [f"  {f.name}: {f.error}" for f in failures]
+
+
 def run_sweep(
     points: list[tuple[dict, dict]],
     *,
@@ -304,30 +415,48 @@ def run_sweep(
     progress: bool = True,
     log=print,
     stack: bool = True,
+    failures: list | None = None,
+    display: Display | None = None,
 ) -> list[Path]:
     """Make every point's run (skipping finished ones unless ``overwrite``); returns the run directories in the
     points' order. One process, one ``Session``; with ``stack``, runs that read the same data in one program
-    (module docstring)."""
+    (module docstring).
+
+    A run that fails does not stop the others. With a ``failures`` list, each failure is appended to it as a
+    ``Failure`` and its place in the result is None; without one, ``SweepFailed`` (a ``FedfeatError`` naming the
+    first) is raised once every other run is written. ``display`` (a ``Display``) is advanced per run."""
     from fedfeat.runs.config import DEFAULTS, resolve_config
     from fedfeat.runs.train import run_name, stack_group, train_stacked
     from fedfeat.runs.train import train as run_train
 
+    said: set = set()
+
+    def once(msg: str) -> None:
+        if msg not in said:
+            said.add(msg)
+            log(msg)
+
+    display = display or Display(0, quiet=True)
     paths: list[Path] = []
     outer = active()
     with contextlib.nullcontext(outer) if outer is not None else session() as s:
         cfgs = []
         for settings, params in points:
             method = settings.get("method", DEFAULTS["method"])
-            ps = _applicable(method, params, log)
+            ps = _applicable(method, params, once)
             cfgs.append(resolve_config(settings, None, [f"{k}={v}" for k, v in ps.items()]))
         from fedfeat.store.urls import local_path
 
         for c in cfgs:  # run directories are local: a URL --out is refused before any store is opened
             local_path(c.out, "--out", "a local directory for run directories")
         names = [run_name(c) for c in cfgs]
+        display.start()
         seen: dict[Path, int] = {}
+        same: dict[int, int] = {}  # points whose settings differ only in what the run ignores: made once
         for i, path in enumerate(names):
-            if path in seen:
+            if path in seen and cfgs[i] != cfgs[seen[path]]:  # zeroshot over partitions (it draws none)
+                same[i] = seen[path]
+            elif path in seen:
                 raise FedfeatError(
                     f"grid points {seen[path] + 1} and {i + 1} are the same run ({path.name}); remove the duplicate"
                 )
@@ -335,39 +464,76 @@ def run_sweep(
         done: dict[int, Path] = {}
         pending = []
         for i, path in enumerate(names):
-            if (path / "summary.json").is_file() and not path.is_symlink() and not overwrite:  # a link: train refuses
+            if i in same:
+                log(f"[{i + 1}/{len(cfgs)}] {path.name}: the same run as point {same[i] + 1}")
+                display.advance()
+                continue
+            if (
+                (path / "summary.json").is_file() and not path.is_symlink() and not overwrite
+            ):  # a link: train refuses
                 log(f"[{i + 1}/{len(cfgs)}] {path.name}: finished already, skipped")
                 done[i] = path
+                display.advance()
             else:
                 pending.append(i)
         groups: dict = {}
         for i in pending:
             g = stack_group(cfgs[i]) if stack else None
             groups.setdefault(("one", i) if g is None else g, []).append(i)
-        failed = None
+        failed: list[Failure] = []
+
+        def fail(i: int, e: BaseException) -> None:
+            failed.append(Failure(i, names[i].name, one_line(e)))
+            log(f"  {names[i].name}: failed: {failed[-1].error}")
+            display.advance(failed=1)
+
         for members in groups.values():
             for c0 in range(0, len(members), STACK_MAX):
                 chunk = members[c0 : c0 + STACK_MAX]
                 if len(chunk) == 1:
                     i = chunk[0]
                     log(f"[{i + 1}/{len(cfgs)}] {names[i].name}")
-                    done[i] = run_train(cfgs[i], overwrite=overwrite, progress=progress, log=lambda *a: None)
+                    try:
+                        done[i] = run_train(
+                            cfgs[i], overwrite=overwrite, progress=progress, log=lambda *a: None
+                        )
+                    except Exception as e:  # noqa: BLE001 -- recorded, reported at the end; Ctrl-C still stops
+                        fail(i, e)
+                        continue
+                    display.advance()
                     continue
                 log(
                     f"[{', '.join(str(i + 1) for i in chunk)}/{len(cfgs)}] {len(chunk)} runs stacked in one program"
                 )
-                for i, res in zip(chunk, train_stacked([cfgs[i] for i in chunk], overwrite=overwrite,
-                                                       log=lambda *a: None)):  # fmt: skip
-                    if isinstance(res, FedfeatError):
-                        log(f"  {names[i].name}: {res}")
-                        failed = failed or res
+                try:
+                    res = train_stacked([cfgs[i] for i in chunk], overwrite=overwrite, log=lambda *a: None)
+                except Exception as e:  # noqa: BLE001 -- the whole stack failed: each of its runs is recorded
+                    res = [e] * len(chunk)
+                for i, r in zip(chunk, res):
+                    if isinstance(r, BaseException):
+                        fail(i, r)
                     else:
-                        done[i] = res
-        if failed is not None:  # the others are written; the first error is the sweep's
-            raise failed
-        paths = [done[i] for i in range(len(cfgs))]
+                        done[i] = r
+                        display.advance()
+        failed.sort(key=lambda f: f.index)
+        if failed and failures is None:  # the others are written; the sweep's error names the first
+            raise SweepFailed(failed)
+        if failures is not None:
+            failures.extend(failed)
+        paths = [done.get(same.get(i, i)) for i in range(len(cfgs))]
         del s
     return paths
 
 
-__all__ = ["check_grid", "expand", "parse_values", "read_grid", "run_sweep"]
+__all__ = [
+    "Display",
+    "Failure",
+    "SweepFailed",
+    "applicable_points",
+    "check_grid",
+    "expand",
+    "failure_lines",
+    "parse_values",
+    "read_grid",
+    "run_sweep",
+]

@@ -6,6 +6,8 @@ A run directory (``runs/<name>/``) holds:
 * ``metrics.jsonl`` one JSON object per round (round 0 = before training): test accuracy, per-class accuracy,
   many/medium/few-shot accuracy, pseudo-label accuracy (label-free methods), mean train loss, bytes up and
   down, seconds, the sampled clients;
+* ``results.npz``   per-round per-class (and, with local test splits, per-client) accuracy and the last evaluated
+  round's confusion matrix (``write_results``; read with ``fedfeat.report.load.load_results``);
 * ``summary.json``  final and best accuracy, totals, the environment; written last;
 * ``curve.png``     test accuracy vs round;
 * ``weights.safetensors``  the final global parameters (safetensors: loading it cannot execute code);
@@ -17,6 +19,7 @@ finished."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -79,6 +82,45 @@ def group_accuracy(per_class_acc: list[float], test_counts: np.ndarray, groups: 
     return out
 
 
+# a method that needs no partition (``needs_partition = False``: zeroshot reads no training data) ignores these
+# settings: they go back to their defaults, the run is named with this key and draws nothing
+NO_PARTITION = "no-partition"
+PARTITION_SETTINGS = ("partition", "clients", "participation", "alpha", "shards", "shots", "partition_seed")
+
+
+def uses_partition(cfg: RunConfig, method) -> bool:
+    """Whether the run draws its partition: always, except for a method with ``needs_partition = False`` whose
+    evaluation does not depend on it either (an open-vocabulary ``disjoint-classes`` split's query set,
+    ``--local-test``'s per-client test rows and ``--imbalance-factor``'s many / medium / few groups do)."""
+    if getattr(method, "needs_partition", True):
+        return True
+    return (
+        cfg.partition == "disjoint-classes"
+        or cfg.local_test not in (None, "none")
+        or cfg.imbalance_factor is not None
+    )
+
+
+def without_unused_partition(cfg: RunConfig, method) -> RunConfig:
+    """``cfg`` with the partition settings a run ignores set back to their defaults (no error: a zeroshot row in a
+    grid over partitions is one run), so its name and config.toml say nothing about a partition it never drew."""
+    from fedfeat.runs.config import DEFAULTS
+
+    if uses_partition(cfg, method):
+        return cfg
+    return dataclasses.replace(cfg, **{k: DEFAULTS[k] for k in PARTITION_SETTINGS})
+
+
+def method_partition(store, cfg: RunConfig, method, save: bool):
+    """``run_partition``'s ``(key, Partition, stored)``, or, for a run that draws none, ``NO_PARTITION`` and one
+    client without rows (nothing of the train split is loaded)."""
+    if uses_partition(cfg, method):
+        return run_partition(store, cfg, save)
+    from fedfeat.partition.core import Partition
+
+    return NO_PARTITION, Partition(NO_PARTITION, {"scheme": NO_PARTITION}, [np.zeros(0, np.int64)]), True
+
+
 def _run_identity(cfg: RunConfig, method_params: dict, store, key: str) -> dict:
     """What defines a run, written into its checkpoints (``fedfeat.engine.checkpoint``) and checked on resume: the
     resolved settings and method hyperparameters, the store's fingerprint and the partition key; not where it is
@@ -106,6 +148,7 @@ def train(
     save_partition: bool = False,
     progress: bool = True,
     log=print,
+    callbacks=None,
     _device=None,
     _stacked: tuple | None = None,
 ) -> Path:
@@ -113,9 +156,13 @@ def train(
 
     ``resume``: a run directory (``OUT/NAME``, or its ``OUT/.partial-NAME``) whose run was interrupted; it goes
     on from its last checkpoint with its own config.toml, and ends with the metrics and weights of an
-    uninterrupted run."""
+    uninterrupted run.
+
+    ``callbacks``: objects called as the run goes (``fedfeat.runs.callbacks``: start, each round, end, failure),
+    with the ones active around the call (``callbacks.use``)."""
     from fedfeat.engine import checkpoint
     from fedfeat.methods import get_method
+    from fedfeat.runs import callbacks as _callbacks
 
     if resume is not None:
         out, name = _resume_target(resume)
@@ -134,6 +181,7 @@ def train(
     if checkpoint_every < 0:
         raise FedfeatError(f"--checkpoint-every must be >= 0 (0: no checkpoints), got {checkpoint_every}")
     method = get_method(cfg.method, cfg.params)
+    cfg = without_unused_partition(cfg, method)  # zeroshot: no partition drawn, its settings ignored
     method_params = dataclasses.asdict(method.p)
     method_defaults = dataclasses.asdict(type(method).Params())
     if (
@@ -143,14 +191,14 @@ def train(
     device = _device if _device is not None else resolve_device(cfg.device)
     kernel = resolve_kernel(cfg.kernel, method, cfg.engine, device)  # before anything is written
     store = open_store(cfg)
-    key, part, stored = run_partition(store, cfg, save_partition)
+    key, part, stored = method_partition(store, cfg, method, save_partition)
     name = cfg.name or default_run_name(cfg, method_params, method_defaults, store.attrs, key)
     out = rundir.check_out(cfg.out)
     rd = rundir.RunDir(out, name)
     rd.check_links()  # NAME, .partial-NAME (and its files), .old-NAME, .lock-NAME: no link out of OUT
     rd.lock.acquire()
     try:
-        with rundir.interrupt_latch(), rundir.sigterm_as_exception():
+        with rundir.interrupt_latch(), rundir.sigterm_as_exception(), _callbacks.use(callbacks):
             return _train_locked(
                 cfg, method, method_params, device, kernel, store, key, part, stored, rd,
                 resume is not None, overwrite, checkpoint_every, progress, log, checkpoint, _stacked,
@@ -247,6 +295,9 @@ def _train_locked(
         log(f"run {rd.name} had finished before it was interrupted; publishing it")
         rd.publish(overwrite)
         return rd.final
+    from fedfeat.runs import callbacks as _callbacks
+
+    cbs = _callbacks.for_run(None)  # live logging: the callbacks of train() and those active around it
     try:
         identity = _run_identity(cfg, method_params, store, key)
         written: list[str] = []  # metrics.jsonl's text so far: its digest goes into each checkpoint
@@ -292,6 +343,8 @@ def _train_locked(
             tmp.write_text(written[0])
             os.replace(tmp, mpath)
             log(f"resuming {rd.name} after round {done} of {cfg.rounds}")
+        cbs.run_start(_run_info(cfg, method_params, rd, done if resuming else None))
+        last_pred = capture_predictions(method) if stacked is None else None  # for results.npz's confusion
         mfile = open(mpath, "a")  # noqa: SIM115 (closed below)
         bar = _progress_bar(cfg, method, key, done) if progress else None
         ck_seconds = [0.0]
@@ -302,6 +355,7 @@ def _train_locked(
             written.append(json.dumps(row) + "\n")
             mfile.write(written[-1])
             mfile.flush()
+            cbs.round_end(dict(row))  # after the row is written
             if bar is not None:
                 acc = "-" if row["test_acc"] is None else f"{row['test_acc']:.2f}%"
                 bar[0].update(bar[1], completed=row["round"], acc=acc)
@@ -315,44 +369,57 @@ def _train_locked(
             ck_seconds[0] += time.perf_counter() - t
 
         t0 = time.perf_counter()
+        compiled = [0.0]
         try:
             if stacked is not None:  # (weights, rows, seconds, runs): this run's share of a stacked program
                 glob = stacked[0]
                 for row in stacked[1]:
                     on_round(dict(row))
             else:
-                glob, _ = run_federated(
-                    method,
-                    data,
-                    rounds=cfg.rounds,
-                    participation=1.0 if centralized else cfg.participation,
-                    seed=cfg.seed,
-                    engine=cfg.engine,
-                    kernel=cfg.kernel,
-                    device=device,
-                    on_round=on_round,
-                    on_checkpoint=on_checkpoint,
-                    checkpoint_every=checkpoint_every,
-                    eval_every=cfg.eval_every,
-                    resume=start,
-                )
+                with compile_clock(compiled):
+                    glob, _ = run_federated(
+                        method,
+                        data,
+                        rounds=cfg.rounds,
+                        participation=1.0 if centralized else cfg.participation,
+                        seed=cfg.seed,
+                        engine=cfg.engine,
+                        kernel=cfg.kernel,
+                        device=device,
+                        on_round=on_round,
+                        on_checkpoint=on_checkpoint,
+                        checkpoint_every=checkpoint_every,
+                        eval_every=cfg.eval_every,
+                        resume=start,
+                    )
         finally:
             mfile.close()
             if bar is not None:
                 bar[0].stop()
-        wall = time.perf_counter() - t0 if stacked is None else stacked[2]
+        # numba's compile on first use (~25 s for the fused kernels, once per machine: cached on disk) is
+        # recorded as compile_seconds and left out of seconds
+        wall = time.perf_counter() - t0 - compiled[0] if stacked is None else stacked[2]
         metrics = read_metrics(mpath)
-        save_file(
-            {k: v.detach().cpu().contiguous() for k, v in glob.items()}, rd.partial / "weights.safetensors"
-        )
+        trained = method.federated or centralized  # zeroshot: its head is the store's text features
+        if trained:
+            save_file(
+                {k: v.detach().cpu().contiguous() for k, v in glob.items()}, rd.partial / "weights.safetensors"
+            )
         ev_rows = [r for r in metrics if r["test_acc"] is not None]
         plot_curves(
             {cfg.method: ([r["round"] for r in ev_rows], [r["test_acc"] for r in ev_rows])},
             rd.partial / "curve.png",
             title=f"{cfg.method} on {Path(cfg.store).name}, {key}",
         )
+        confusion = stacked[4] if stacked is not None and len(stacked) > 4 else (last_pred or {}).get("confusion")
+        write_results(rd.partial, metrics, confusion)
         summary = _summary(cfg, method, method_params, kernel, device, key, rd.name, metrics, wall, store)
         summary["checkpoint_seconds"] = ck_seconds[0]
+        summary["compile_seconds"] = compiled[0]  # numba's compiles on first use: not in ``seconds``
+        if not trained:
+            summary["weights"] = (
+                f"none written: {cfg.method} trains nothing (its head is the store's class text features)"
+            )
         bench = getattr(method, "benchmark_logits", None)  # zeroshot: its result in CLIP_benchmark's JSON
         if bench is not None:
             logits, y, dataset = bench(data=data, glob=glob, store=store)
@@ -367,10 +434,12 @@ def _train_locked(
         rundir.check_interrupt()  # an interrupt that something swallowed: no summary, nothing published
         ckpt.unlink(missing_ok=True)  # a finished run needs none
         _write_atomic(rd.partial / "summary.json", json.dumps(summary, indent=2))
+        cbs.run_end({**summary, "path": str(rd.final)})  # before the rename: loggers close files inside the run
         rundir.fault_point("before-publish")
         with rundir.deferred_interrupts():  # never cut between the renames; an interrupt is raised after them
             rd.publish(overwrite)
     except BaseException as e:
+        cbs.run_failed(e)
         if ckpt.is_file() and isinstance(e, (KeyboardInterrupt, rundir.Interrupted, OSError)):
             log(f"interrupted after a checkpoint; resume with: fedfeat train --resume {rd.final}")
         elif not resuming:  # nothing to resume: this process's partial directory goes
@@ -419,18 +488,113 @@ def train_stacked(cfgs: list[RunConfig], *, overwrite: bool = False, log=print) 
     key, part, _ = run_partition(store, cfg0, False)
     data = run_data(store, part, key, cfg0, device, False)
     methods = [get_method(c.method, c.params) for c in cfgs]
+    boxes = [capture_predictions(m) for m in methods]  # each run's last confusion (results.npz)
     t0 = time.perf_counter()
     res = run_stacked(methods, data, rounds=cfg0.rounds, participation=[c.participation for c in cfgs],
                       seeds=[c.seed for c in cfgs], device=device, eval_every=cfg0.eval_every,
                       kernel=cfg0.kernel)  # fmt: skip
     share = (time.perf_counter() - t0) / len(cfgs)
     out = []
-    for c, r in zip(cfgs, res):
+    for c, r, box in zip(cfgs, res, boxes):
         if isinstance(r, FedfeatError):
             out.append(r)
             continue
-        out.append(train(c, overwrite=overwrite, progress=False, log=log, _stacked=(*r, share, len(cfgs))))
+        stacked = (*r, share, len(cfgs), box.get("confusion"))
+        out.append(train(c, overwrite=overwrite, progress=False, log=log, _stacked=stacked))
     return out
+
+
+def capture_predictions(method) -> dict:
+    """Keep the confusion matrix of the last evaluated round of ``method``'s run (for ``RUN/results.npz``): the
+    engine hands every evaluation's predictions to ``method.round_metrics``; this wraps that hook on the instance
+    (the engine is unchanged) and returns the dict it fills with ``confusion`` ``[K, K]`` int64 (rows true class,
+    columns predicted; the ``--val-split`` rows left out, as the accuracy does). A checkpoint is never taken after the
+    last round, so a resumed run evaluates its last round again and its confusion equals the uninterrupted run's."""
+    box: dict = {}
+    inner = method.round_metrics
+
+    def round_metrics(ctx, data, glob, ev):
+        box["confusion"] = confusion_matrix(ctx, data.test_y, ev.get("pred"))
+        return inner(ctx, data, glob, ev)
+
+    method.round_metrics = round_metrics
+    return box
+
+
+def confusion_matrix(ctx, test_y: torch.Tensor, pred) -> np.ndarray | None:
+    """``[K, K]`` int64 counts of (true, predicted) over the evaluated test rows; None when ``pred`` is not one
+    prediction per row (a method's own evaluation)."""
+    if pred is None:
+        return None
+    y = test_y
+    vm = getattr(ctx, "val_mask", None)
+    if vm is not None and len(pred) != len(y):  # engine.evaluate scores the --val-split rows apart
+        y = y[~vm.to(y.device)]
+    if len(pred) != len(y):
+        return None
+    K = ctx.K
+    flat = y.to(torch.int64) * K + pred.to(y.device, torch.int64)
+    return torch.bincount(flat, minlength=K * K).view(K, K).cpu().numpy().astype(np.int64)
+
+
+def write_results(run_dir: Path, metrics: list[dict], confusion: np.ndarray | None) -> None:
+    """``RUN/results.npz`` (compressed, no pickle): ``rounds`` [E] the evaluated rounds, ``class_acc`` [E, K] (%),
+    ``client_acc`` [E, n_clients] (%, NaN for a client without local test rows; only with local test splits) and
+    ``confusion`` [K, K] of the last evaluated round. Built from the metric rows (``per_class_acc``,
+    ``client_acc``), so a resumed run, whose rows before the checkpoint come from ``metrics.jsonl``, writes the same
+    file as an uninterrupted one."""
+    ev = [r for r in metrics if r.get("test_acc") is not None and r.get("per_class_acc") is not None]
+    arrays: dict[str, np.ndarray] = {
+        "rounds": np.asarray([int(r["round"]) for r in ev], dtype=np.int64),
+        "class_acc": np.asarray([r["per_class_acc"] for r in ev], dtype=np.float64),
+    }
+    if ev and all(r.get("client_acc") is not None for r in ev):
+        arrays["client_acc"] = np.asarray(
+            [[np.nan if a is None else a for a in r["client_acc"]] for r in ev], dtype=np.float64
+        )
+    if confusion is not None:
+        arrays["confusion"] = np.asarray(confusion, dtype=np.int64)
+    tmp = run_dir / ".results.tmp.npz"
+    with open(tmp, "wb") as f:
+        np.savez_compressed(f, **arrays)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, run_dir / "results.npz")
+
+
+def _run_info(cfg: RunConfig, method_params: dict, rd, resumed_after: int | None) -> dict:
+    """What ``on_run_start`` gets (``fedfeat.runs.callbacks``)."""
+    conf = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "params"}
+    return {
+        "name": rd.name,
+        "path": str(rd.final),
+        "dir": str(rd.partial),
+        "method": cfg.method,
+        "rounds": cfg.rounds,
+        "config": {**conf, "params": method_params},
+        "resumed_after_round": resumed_after,
+        "first_round": 0 if not resumed_after else resumed_after + 1,
+    }
+
+
+@contextlib.contextmanager
+def compile_clock(box: list):
+    """Add to ``box[0]`` the seconds numba spends compiling inside the block (its ``numba:compile`` events, nested
+    compiles counted once; a kernel loaded from numba's disk cache is not a compile). The round in which a kernel
+    is compiled keeps it in its own ``seconds`` row (``seconds_per_round``, a median, leaves it out)."""
+    import sys
+
+    if "numba" not in sys.modules:
+        os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")  # as fedfeat.engine.kernels sets it
+    from numba.core import event
+
+    timer = event.TimingListener()
+    try:
+        with event.install_listener("numba:compile", timer):
+            yield box
+    finally:
+        if timer.done:
+            box[0] += timer.duration
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -499,7 +663,7 @@ def _summary(cfg, method, method_params, kernel, device, key, name, metrics, wal
         **{k: last[k] for k in SUMMARY_EXTRAS if k in last},
         "bytes_up": int(sum(r["bytes_up"] for r in metrics)),
         "bytes_down": int(sum(r["bytes_down"] for r in metrics)),
-        "seconds": wall,  # this process: loading, set-up, kernel compilation on first use, its rounds
+        "seconds": wall,  # this process: loading, set-up, its rounds (numba's compiling: compile_seconds)
         # the median round (training + evaluation): one-time costs (a kernel compiled in round 1) left out
         "seconds_per_round": (
             float(np.median([r["seconds"] for r in metrics[1:]]))
@@ -521,8 +685,9 @@ def run_name(cfg: RunConfig) -> Path:
     from fedfeat.methods import get_method
 
     method = get_method(cfg.method, cfg.params)
+    cfg = without_unused_partition(cfg, method)
     store = open_store(cfg)
-    key, _, _ = run_partition(store, cfg, False)
+    key, _, _ = method_partition(store, cfg, method, False)
     name = cfg.name or default_run_name(
         cfg, dataclasses.asdict(method.p), dataclasses.asdict(type(method).Params()), store.attrs, key
     )

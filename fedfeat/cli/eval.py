@@ -1,0 +1,51 @@
+"""``fedfeat eval RUN --store STORE``: a saved run's model on another store (``fedfeat.runs.evaluate``).
+
+The main app (``fedfeat/cli/app.py``) calls ``register(app)``; a ``FedfeatError`` becomes one line, exit status 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``eval`` command to ``app``."""
+
+    @app.command("eval")
+    def eval_cmd(
+        run: Annotated[
+            Path, typer.Argument(help="A finished run directory (config.toml, weights.safetensors).")
+        ],
+        store: Annotated[str, typer.Option(help="The store whose test split is scored.")],
+        out: Annotated[
+            Optional[Path],
+            typer.Option(help="Output directory (default: RUN/eval-<store name>).", show_default=False),
+        ] = None,
+        classes: Annotated[
+            Optional[str],
+            typer.Option(
+                help="Comma-separated class names to score (base -> novel), default all.", show_default=False
+            ),
+        ] = None,
+        format: Annotated[str, typer.Option("--format", help="markdown or json.")] = "markdown",
+        device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    ) -> None:
+        """Evaluate a saved head, adapter or prompt on another store: accuracy, per-class accuracy, macro F1, the
+        confusion matrix (results.npz) and CLIP_benchmark's JSON, written into --out."""
+        from fedfeat.errors import FedfeatError
+        from fedfeat.runs.evaluate import evaluate_run
+
+        if format not in ("markdown", "json"):
+            raise FedfeatError(f"unknown format '{format}'; choose markdown or json")
+        cl = [c.strip() for c in classes.split(",") if c.strip()] if classes else None
+        res = evaluate_run(run, store, out=out, classes=cl, device=device)
+        if format == "json":
+            typer.echo(json.dumps(res, indent=1))
+            return
+        typer.echo("| method | store | classes | test rows | acc | macro F1 |\n|---|---|---|---|---|---|")
+        typer.echo(f"| {res['method']} | {res['store']} | {len(res['classes'])} | {res['test_rows']} | "
+                   f"{res['acc']:.2f} | {res['macro_f1']:.2f} |")  # fmt: skip
+        typer.echo(f"written: {res['out']}")

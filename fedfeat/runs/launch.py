@@ -1,0 +1,213 @@
+"""Sweeps beyond one process: ``fedfeat sweep --launcher local|slurm|ray``.
+
+``local`` is the in-process sweep (``fedfeat.runs.sweep.run_sweep``). ``slurm`` submits jobs through submitit
+(``submitit.AutoExecutor``; the ``slurm`` extra) and ``ray`` runs them as Ray tasks (the ``ray`` extra): we use these
+launchers, not one of our own. Each job runs a chunk of the pending grid points through the very same
+``run_sweep`` (its own session, stacking within the chunk), so its run directories are the ones ``--launcher
+local`` writes: same names, same metrics, same weights (``tests/test_launch.py``). The launching process opens the
+stores only to name the runs: runs already finished are skipped before anything is submitted (a re-launch does
+what is missing), and the others are split into ``jobs`` chunks, runs that stack together kept together.
+
+A job's failed runs come back as ``Failure`` records (they do not stop the job's other runs); a job that dies
+(killed, out of time) fails all its runs with its one-line error. The launcher waits for every job, advancing the
+progress display (``Display``) as jobs end.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from fedfeat.errors import FedfeatError
+from fedfeat.runs.sweep import Display, Failure, SweepFailed, one_line, run_sweep
+
+LAUNCHERS = ("local", "slurm", "ray")
+
+
+def run_chunk(points: list, overwrite: bool = False, stack: bool = True, cwd: str | None = None) -> list:
+    """One job: ``run_sweep`` on a chunk of points, quietly, in the launching process's directory ``cwd`` (relative
+    store and output paths mean the same there). Returns per point ``(path or None, error or None)`` as plain
+    strings (picklable across processes)."""
+    import contextlib
+    import os
+
+    failures: list = []
+    with contextlib.chdir(cwd) if cwd else contextlib.nullcontext():
+        paths = run_sweep(points, overwrite=overwrite, progress=False, log=lambda *a: None, stack=stack,
+                          failures=failures)  # fmt: skip
+        paths = [None if p is None else os.path.abspath(p) for p in paths]
+    errs = {f.index: f.error for f in failures}
+    return [(None if p is None else str(p), errs.get(i)) for i, p in enumerate(paths)]
+
+
+def _chunks(pending: list[int], groups: dict[int, object], jobs: int) -> list[list[int]]:
+    """``pending`` split into at most ``jobs`` chunks of near-equal size, runs of one stack group adjacent (so that a
+    chunk mostly holds whole groups)."""
+    order = sorted(pending, key=lambda i: (repr(groups[i]), i))
+    jobs = max(1, min(jobs, len(order)))
+    size, extra = divmod(len(order), jobs)
+    out, at = [], 0
+    for j in range(jobs):
+        n = size + (j < extra)
+        out.append(order[at : at + n])
+        at += n
+    return [c for c in out if c]
+
+
+def _need(module: str, extra: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise FedfeatError(
+            f"--launcher {extra} needs {module}: pip install fedfeat[{extra}] (or pip install {module})"
+        ) from None
+
+
+def launch(
+    points: list[tuple[dict, dict]],
+    *,
+    launcher: str = "local",
+    jobs: int = 4,
+    overwrite: bool = False,
+    stack: bool = True,
+    log=print,
+    display: Display | None = None,
+    failures: list | None = None,
+    slurm_partition: str | None = None,
+    slurm_time: int = 60,
+    slurm_cluster: str | None = None,
+    folder: str | Path | None = None,
+    ray_address: str | None = None,
+) -> list[Path | None]:
+    """Run the grid ``points`` with ``launcher`` (module docstring); returns the run directories in the points'
+    order (None for a failed run when ``failures`` is a list, which then receives the ``Failure`` records; without
+    one, ``SweepFailed`` is raised after the other runs). ``jobs``: how many jobs (Slurm jobs / Ray tasks) the
+    pending runs are split into. Slurm: ``slurm_partition``, ``slurm_time`` (minutes per job), ``slurm_cluster``
+    (submitit's: None = Slurm where ``sbatch`` exists, else ``local``; ``debug`` runs in this process) and
+    ``folder`` (submitit's logs; default OUT/.submitit). Ray: ``ray_address`` (None: a Ray started here, or the
+    one already initialised; ``auto``: a running cluster)."""
+    if launcher not in LAUNCHERS:
+        raise FedfeatError(f"unknown --launcher {launcher!r}; choose local, slurm or ray")
+    if jobs < 1:
+        raise FedfeatError(f"--jobs must be >= 1, got {jobs}")
+    display = display or Display(0, quiet=True)
+    if launcher == "local":
+        return run_sweep(points, overwrite=overwrite, progress=False, log=log, stack=stack, failures=failures,
+                         display=display)  # fmt: skip
+    mod = _need("submitit" if launcher == "slurm" else "ray", launcher)
+
+    from fedfeat.runs.config import DEFAULTS, resolve_config
+    from fedfeat.runs.session import session
+    from fedfeat.runs.sweep import _applicable
+    from fedfeat.runs.train import run_name, stack_group
+    from fedfeat.store.urls import local_path
+
+    with session():  # name the runs (stores and partitions opened once), find the finished ones
+        cfgs = []
+        for settings, params in points:
+            ps = _applicable(settings.get("method", DEFAULTS["method"]), params, lambda *a: None)
+            cfgs.append(resolve_config(settings, None, [f"{k}={v}" for k, v in ps.items()]))
+        for c in cfgs:
+            local_path(c.out, "--out", "a local directory for run directories")
+        names = [run_name(c) for c in cfgs]
+        groups = {i: (stack_group(c) if stack else None) or ("one", i) for i, c in enumerate(cfgs)}
+    seen: dict[Path, int] = {}
+    same: dict[int, int] = {}  # as run_sweep: settings that differ only in what the run ignores, made once
+    for i, path in enumerate(names):
+        if path in seen and cfgs[i] != cfgs[seen[path]]:
+            same[i] = seen[path]
+        elif path in seen:
+            raise FedfeatError(
+                f"grid points {seen[path] + 1} and {i + 1} are the same run ({path.name}); remove the duplicate"
+            )
+        seen[path] = i
+    paths: list = [None] * len(points)
+    pending = []
+    for i, path in enumerate(names):
+        if i in same:
+            log(f"[{i + 1}/{len(points)}] {path.name}: the same run as point {same[i] + 1}")
+            display.advance()
+        elif (path / "summary.json").is_file() and not path.is_symlink() and not overwrite:
+            log(f"[{i + 1}/{len(points)}] {path.name}: finished already, skipped")
+            paths[i] = path
+            display.advance()
+        else:
+            pending.append(i)
+    chunks = _chunks(pending, groups, jobs)
+    failed: list[Failure] = []
+
+    def collect(chunk: list[int], result=None, error: BaseException | None = None) -> None:
+        for k, i in enumerate(chunk):
+            p, err = (None, one_line(error)) if error is not None else result[k]
+            if err is None and p is None:
+                err = "the job returned no run directory"
+            if err is None:
+                paths[i] = Path(p)
+                display.advance()
+            else:
+                failed.append(Failure(i, names[i].name, err))
+                log(f"  {names[i].name}: failed: {err}")
+                display.advance(failed=1)
+
+    if chunks:
+        log(f"{launcher}: {len(pending)} runs in {len(chunks)} job(s)")
+        if launcher == "slurm":
+            _slurm(mod, chunks, points, overwrite, stack, collect, slurm_partition, slurm_time, slurm_cluster,
+                   Path(folder) if folder is not None else Path(cfgs[0].out) / ".submitit")  # fmt: skip
+        else:
+            _ray(mod, chunks, points, overwrite, stack, collect, ray_address)
+    for i, j in same.items():
+        paths[i] = paths[j]
+    failed.sort(key=lambda f: f.index)
+    if failed and failures is None:
+        raise SweepFailed(failed)
+    if failures is not None:
+        failures.extend(failed)
+    return paths
+
+
+def _slurm(submitit, chunks, points, overwrite, stack, collect, partition, minutes, cluster, folder) -> None:
+    """submitit jobs, one per chunk (``AutoExecutor``: Slurm where it exists; ``local``/``debug`` to try it)."""
+    ex = submitit.AutoExecutor(folder=str(folder), cluster=cluster)
+    opts: dict = {"timeout_min": int(minutes), "name": "fedfeat-sweep"}
+    if partition:
+        opts["slurm_partition"] = partition
+    ex.update_parameters(**opts)
+    submitted = [
+        (c, ex.submit(run_chunk, [points[i] for i in c], overwrite, stack, os.getcwd())) for c in chunks
+    ]
+    while submitted:
+        rest = []
+        for c, job in submitted:
+            if not job.done():
+                rest.append((c, job))
+                continue
+            try:
+                collect(c, job.result())
+            except Exception as e:  # noqa: BLE001 -- a job that died: its runs are recorded as failed
+                collect(c, error=e)
+        submitted = rest
+        if submitted:
+            time.sleep(0.5)
+
+
+def _ray(ray, chunks, points, overwrite, stack, collect, address) -> None:
+    """Ray tasks, one per chunk (a Ray started here unless one is initialised or ``address`` names one)."""
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    task = ray.remote(run_chunk)
+    refs = {task.remote([points[i] for i in c], overwrite, stack, os.getcwd()): c for c in chunks}
+    while refs:
+        ready, _ = ray.wait(list(refs), num_returns=1)
+        for ref in ready:
+            c = refs.pop(ref)
+            try:
+                collect(c, ray.get(ref))
+            except Exception as e:  # noqa: BLE001 -- a task that died: its runs are recorded as failed
+                collect(c, error=e)
+
+
+__all__ = ["LAUNCHERS", "launch", "run_chunk"]
