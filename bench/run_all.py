@@ -52,6 +52,7 @@ def main() -> None:
             "bench_fedcopl.py",
             "bench_sweep.py",
             "bench_plugin.py",
+            "bench_memory.py",
         ):
             path = ROOT / "bench" / script
             if path.exists():

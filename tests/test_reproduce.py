@@ -69,9 +69,11 @@ def test_missing_store_names_the_make_target(tmp_path):
 
 def test_undrawable_column_is_named_not_fatal(small_shapes, tmp_path, monkeypatch):
     """A Dirichlet column that FedNTD's rule cannot draw (100 clients >= 10 samples at alpha 0.05) shows n/a and
-    the partitioner's reason; the other columns run."""
+    the partitioner's reason; the other columns run. (The table's own alpha = 0.05 column reads min_size = 1: tests/test_min_size.py.)"""
     t = R.TABLES["fst-cbdg-table2"]
-    small = R.Table(t.name, t.title, t.backbone, t.make_target, [t.columns[6], t.columns[9]], [t.rows[0]],
+    assert t.columns[6].label == "cifar10 a=0.05 (min size 1)" and t.columns[6].settings["min_size"] == 1
+    fedntd = R.Column("cifar10", "cifar10 a=0.05", {"partition": "dirichlet", "alpha": 0.05})  # FedNTD's 10
+    small = R.Table(t.name, t.title, t.backbone, t.make_target, [fedntd, t.columns[9]], [t.rows[0]],
                     {"CLIP-ZS": [68.7, 68.7]}, t.fixed)  # fmt: skip
     monkeypatch.setitem(R.TABLES, "fst-cbdg-table2", small)
     monkeypatch.setattr("fedfeat.partition.schemes._MAX_DRAWS", 50)

@@ -101,8 +101,13 @@ def _run(cfg: RunConfig, every: int, kill: int | None = None, resume: Path | Non
 
 
 def _timing(key: str) -> bool:
-    """Timings differ between any two runs: ``seconds``, ``train_seconds``, ``seconds_per_round``, ``sec_*``."""
-    return "seconds" in key or key.startswith("sec_")
+    """Timings and memory figures differ between any two runs: ``seconds``, ``train_seconds``, ``seconds_per_round``,
+    ``sec_*``, ``peak_rss_bytes``, ``rss_bytes_at_end``, ``peak_device_bytes``."""
+    return (
+        "seconds" in key
+        or key.startswith("sec_")
+        or key in ("peak_rss_bytes", "rss_bytes_at_end", "peak_device_bytes")
+    )
 
 
 def _result(run: Path) -> tuple:

@@ -50,6 +50,11 @@ def register(app: typer.Typer) -> None:
             None,
             help="Partition seed (default FedNTD's 19940817; CLIP2FL's 7 for dirichlet-equal/longtail; FedCoPL's 2 for dirichlet-joint).",
         ),
+        min_size: Optional[int] = typer.Option(
+            None,
+            help="--partition dirichlet: redraw until every client holds >= N samples (default FedNTD's 10; 0 "
+            "accepts the first draw).",
+        ),
         preset: Optional[str] = typer.Option(
             None,
             help="A Fed-MP dataset preset (caltech101, food101, flowers102, ucf101, fgvc-aircraft, stanford-cars): "
@@ -179,6 +184,7 @@ def register(app: typer.Typer) -> None:
             "shards": shards,
             "imbalance_factor": imbalance_factor,
             "partition_seed": partition_seed,
+            "min_size": min_size,
             "clients": clients,
             "shots": shots,
             "preset": preset,
@@ -269,6 +275,13 @@ def register(app: typer.Typer) -> None:
             help="Per method and partition, only the settings with the best mean: on val_acc where runs record a "
             "validation accuracy, else on the test split's final accuracy (the table says which).",
         ),
+        memory: bool = typer.Option(
+            False,
+            "--memory",
+            help="The per-run table also shows each run's measured memory in GB: its process's peak RSS so far, "
+            "its RSS at the end, on CUDA its peak device memory (summary.json: peak_rss_bytes, rss_bytes_at_end, "
+            "peak_device_bytes; --format json always has them).",
+        ),
     ) -> None:
         """Compare finished runs: a table (markdown/CSV) and one plot with all curves.
 
@@ -293,6 +306,7 @@ def register(app: typer.Typer) -> None:
                 metric=metric,
                 size=size,
                 kind=kind,
+                memory=memory,
             )  # fmt: skip
         )
         if plot is not None:  # csv / json: on stderr, stdout stays one parseable document
@@ -308,6 +322,9 @@ def register(app: typer.Typer) -> None:
         partition: Optional[str] = typer.Option(None, help="Partition schemes, comma-separated."),
         alpha: Optional[str] = typer.Option(None, help="Dirichlet alphas, comma-separated."),
         shards: Optional[str] = typer.Option(None, help="Shards per client, comma-separated."),
+        min_size: Optional[str] = typer.Option(
+            None, help="--partition dirichlet's minimum client sizes, comma-separated (default 10)."
+        ),
         clients: Optional[str] = typer.Option(None, help="Client counts, comma-separated."),
         participation: Optional[str] = typer.Option(None, help="Participations, comma-separated."),
         rounds: Optional[str] = typer.Option(None, help="Round counts, comma-separated."),
@@ -356,7 +373,7 @@ def register(app: typer.Typer) -> None:
 
         kw = sw.read_grid(grid) if grid is not None else {"grid": {}, "params": {}, "fixed": {}}
         flags = {"method": method, "store": store, "partition": partition, "alpha": alpha, "shards": shards,
-                 "clients": clients, "participation": participation, "rounds": rounds, "seed": seed,
+                 "min_size": min_size, "clients": clients, "participation": participation, "rounds": rounds, "seed": seed,
                  "engine": engine, "kernel": kernel, "device": device}  # fmt: skip
         for k, v in flags.items():
             if v is not None:

@@ -100,6 +100,8 @@ def partition_key(partition_or_params) -> str:
     if p.get("shots") is not None:
         key += f"-shot{int(p['shots'])}"
     key += f"-c{int(p['clients'])}-s{int(p['seed'])}"
+    if p.get("min_size") is not None:  # dirichlet with a minimum other than FedNTD's 10 (make_partition)
+        key += f"-m{int(p['min_size'])}"
     if p.get("class_order") is not None:  # disjoint-classes drawn in a preset's class order
         key += f"-o{p['class_order']}"
     if p.get("imbalance_factor") is not None:

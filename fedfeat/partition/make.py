@@ -16,6 +16,7 @@ from fedfeat.partition.schemes import (
     FEDMP_SEED,
     FEDNTD_SEED,
     SCHEMES,
+    _int,
     _labels,
     _n_classes,
     dirichlet,
@@ -42,7 +43,9 @@ def default_seed(scheme: str, imbalance_factor: float | None = None) -> int:
 
 
 _INTS = {"clients": "e.g. clients=10", "shards": "e.g. shards=2", "seed": "e.g. seed=0",
-         "shots": "e.g. shots=10", "n_classes": "the split's number of classes"}  # fmt: skip
+         "shots": "e.g. shots=10", "n_classes": "the split's number of classes",
+         "min_size": "e.g. min_size=10"}  # fmt: skip
+_DIRICHLET_MIN = 10  # FedNTD lda_partition's `while min_size < 10` (schemes.dirichlet)
 _REALS = {"alpha": "e.g. alpha=0.5", "imbalance_factor": "e.g. imbalance_factor=100"}
 
 
@@ -87,6 +90,7 @@ def make_partition(
     test_labels=None,
     class_order=None,
     class_order_name: str | None = None,
+    min_size: int | None = None,
 ) -> Partition:
     """Partition a split by name; the one entry point the CLI and the store use.
 
@@ -102,6 +106,9 @@ def make_partition(
     ``shards`` defaults to 2 (FedNTD). ``n_classes`` defaults to ``labels.max() + 1``.
     ``class_order`` (disjoint-classes only): the class list the draws index, a permutation of the class ids
     (``disjoint_classes``' ``order``), recorded under ``class_order_name`` (its partition key says ``-o<name>``).
+    ``min_size`` (dirichlet only): every client must hold ``>= min_size`` samples or the whole partition is
+    redrawn (``schemes.dirichlet``); default None = FedNTD's 10. A value other than 10 is recorded in the params
+    and the partition key (``-m<N>``), so two readings never share a stored partition.
 
     >>> p = make_partition(np.repeat(np.arange(10), 100), "shard", clients=10)
     >>> partition_key(p), p.sizes().tolist()[:3]
@@ -116,6 +123,7 @@ def make_partition(
         seed=seed,
         shots=shots,
         n_classes=n_classes,
+        min_size=min_size,
     )
     labels = _labels(labels)
     if scheme not in SCHEMES:
@@ -131,6 +139,12 @@ def make_partition(
             raise FedfeatError(
                 f"{name} does not apply to scheme {scheme!r}; drop {name} or pick a scheme that uses it"
             )
+    if min_size is not None and scheme != "dirichlet":
+        raise FedfeatError(
+            f"min_size applies to scheme 'dirichlet' only (got scheme {scheme!r}); drop --min-size"
+        )
+    if min_size is not None:
+        min_size = _int("min_size", min_size, 0, "use --min-size 0 or more (FedNTD: 10)")
     if scheme in ("dirichlet", "dirichlet-equal", "dirichlet-joint") and alpha is None:
         raise FedfeatError(f"scheme {scheme!r} needs alpha; pass e.g. alpha=0.5 (smaller = more skewed)")
     if scheme == "dirichlet-joint" and (test_labels is None or imbalance_factor is not None):
@@ -162,7 +176,10 @@ def make_partition(
     elif scheme == "shard":
         parts = shard(sub, clients, shards, seed)
     elif scheme == "dirichlet":
-        parts = dirichlet(sub, clients, alpha, seed)
+        minimum = _DIRICHLET_MIN if min_size is None else min_size
+        parts = dirichlet(sub, clients, alpha, seed, min_size=minimum)
+        if min_size is not None and min_size != _DIRICHLET_MIN:
+            extra["min_size"] = min_size
     elif scheme == "dirichlet-equal":
         parts = dirichlet_equal(sub, clients, alpha, seed, n_classes=n_cls)
     elif scheme == "dirichlet-joint":

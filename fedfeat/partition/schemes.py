@@ -280,9 +280,28 @@ def dirichlet(
     Source: ``Lee-Gihun/FedNTD`` ``train_tools/preprocessing/datasetter.py``. For each class in turn: its
     positions (dataset order) are shuffled, ``p ~ Dir(alpha * 1)``, clients already holding ``>= N / clients``
     get ``p = 0``, and the class is cut at ``cumsum(p)``. The whole partition is drawn again until every client
-    holds ``>= min_size`` (10) samples; finally each client's list is shuffled.
+    holds ``>= min_size`` samples; finally each client's list is shuffled.
     Drops: nothing. Classes are the ids that occur, in increasing order (FedNTD iterates ``range(#classes)``:
     the same when all ids 0..C-1 occur). Gives up with an error after 10,000 draws (FedNTD loops forever).
+
+    ``min_size`` (``--min-size N``) is the resampling condition, a named reading for settings whose minimum
+    cannot be met (e.g. 100 clients at alpha 0.05 on CIFAR-10). What public FL code does:
+
+    - FedNTD ``lda_partition``: ``while min_size < 10`` redraws the whole partition (no limit): N = 10, the
+      default here (the same partitions bit for bit as before the switch existed);
+    - FedML (``non_iid_partition_with_dirichlet_distribution``, the rule FedNTD copies): the same
+      ``while min_size < 10`` loop;
+    - CLIP2FL / CReFF ``clients_indices``: a min-size loop per chunk of 10 workers,
+      ``min_size < int(0.5 * chunk_size / 10)`` (50 % of the chunk average; ``dirichlet-equal`` here);
+    - Flower Datasets ``DirichletPartitioner`` (``adap/flower@e6fb35f``
+      ``datasets/flwr_datasets/partitioner/dirichlet_partitioner.py``,
+      ``_determine_partition_id_to_indices_if_needed``): ``min_partition_size=10`` by default, the same redraw of
+      all classes, a warning per failed draw and ``ValueError("The max number of attempts (10) was reached")``
+      after 11 draws; ``self_balancing`` (default False) is the cap above (zero p for partitions holding more
+      than N / partitions; FedNTD's rule always caps, at ``>=``).
+
+    ``min_size=0`` accepts the first draw (clients may then be empty, which ``make_partition`` rejects);
+    ``min_size=1`` is the weakest minimum under which every client can train.
     """
     labels = _labels(labels)
     n = len(labels)
@@ -292,7 +311,7 @@ def dirichlet(
     if n < min_size * n_clients:
         raise FedfeatError(
             f"dirichlet: {n} samples cannot give {n_clients} clients >= {min_size} samples each; "
-            f"use at most {n // max(min_size, 1)} clients"
+            f"use at most {n // max(min_size, 1)} clients or a smaller --min-size"
         )
     rs = np.random.RandomState(_seed(seed))
     by_class = [idx for idx in _by_class(labels, int(labels.max()) + 1) if len(idx)]  # the ids that occur
@@ -313,7 +332,7 @@ def dirichlet(
     else:
         raise FedfeatError(
             f"dirichlet: no draw in {_MAX_DRAWS} gave all {n_clients} clients >= {min_size} samples at "
-            f"alpha={alpha}; use fewer clients or a larger alpha"
+            f"alpha={alpha}; use fewer clients or a larger alpha, or lower --min-size (e.g. --min-size 1)"
         )
     clients = _gather_by_owner(shuffled, pieces, n_clients)
     for c in clients:

@@ -52,6 +52,7 @@ def store_partition(
     save: bool = True,
     class_order=None,
     class_order_name: str | None = None,
+    min_size: int | None = None,
 ):
     """Make (or load, when already stored) a partition of a store's split. Returns ``(key, Partition)``.
 
@@ -81,6 +82,7 @@ def store_partition(
         test_labels=_test_labels(st) if scheme == "dirichlet-joint" else None,
         class_order=class_order,
         class_order_name=class_order_name,
+        min_size=min_size,
     )
     if len(valid) != len(labels):  # map positions among valid rows back to split rows
         part = P.Partition(part.scheme, part.params, [valid[c] for c in part.clients])

@@ -20,6 +20,9 @@ SUMMARY_EXTRAS = ("many_acc", "medium_acc", "few_acc", "pseudo_label_acc", "nove
 SUMMARY_KEYS = ("method", "partition", "rounds", "initial_acc", "final_acc", "best_acc", "seconds_per_round",
                 "bytes_up", "params")  # fmt: skip
 
+# a run's measured memory in bytes (fedfeat.runs.train.memory_figures): the process's peak RSS so far, its RSS at
+# the run's end, and on CUDA the peak of torch's allocated device memory since the run's start
+MEMORY_KEYS = ("peak_rss_bytes", "rss_bytes_at_end", "peak_device_bytes")
 
 _NUM = (int, float)
 # the type of every summary key that ``report``, ``load_runs`` and ``reproduce`` read: a run whose summary holds
@@ -32,7 +35,7 @@ OPTIONAL_TYPES = {
     "name": (str,), "store": (str,), "store_fingerprint": (str,), "clients": (int,), "participation": _NUM,
     "best_round": (int,), "uses_labels": (bool,), "bytes_down": _NUM, "seconds": _NUM, "engine": (str,),
     "kernel": (str,), "device": (str,), "best_val_acc": _NUM, "best_val_round": (int,),
-    "test_acc_at_best_val": _NUM, **{k: _NUM for k in SUMMARY_EXTRAS},
+    "test_acc_at_best_val": _NUM, **{k: _NUM for k in SUMMARY_EXTRAS}, **{k: (int,) for k in MEMORY_KEYS},
 }  # fmt: skip
 TYPE_NAMES = {_NUM: "a number", (int,): "an integer", (str,): "a string", (dict,): "a table (JSON object)",
               (bool,): "true or false"}  # fmt: skip

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from fedfeat.errors import FedfeatError
-from fedfeat.report.load import collect_runs, unfinished_runs, worst_client_acc
+from fedfeat.report.load import MEMORY_KEYS, collect_runs, unfinished_runs, worst_client_acc
 
 
 def report(
@@ -27,6 +27,7 @@ def report(
     metric: str = "test_acc",
     size: str | None = None,
     kind: str = "curves",
+    memory: bool = False,
 ) -> str:
     """A comparison table of finished runs (markdown or CSV) and, optionally, all their curves in one PNG.
 
@@ -43,7 +44,11 @@ def report(
     mean ± std curve; with ``best``, the selected settings only); ``kind`` curves (``metric`` per round) or clients
     (each client's accuracy, sorted); ``size`` one-column / two-column (print widths). ``best`` with ``fmt="json"``
     is one JSON object ``{"selection": <how the settings were selected>, "selected_on": "val_acc" | "final_acc",
-    "groups": [...]}``; in markdown / CSV that sentence is the first line."""
+    "groups": [...]}``; in markdown / CSV that sentence is the first line.
+
+    ``memory``: the per-run table also shows each run's measured memory (summary.json's ``peak_rss_bytes``,
+    ``rss_bytes_at_end``, ``peak_device_bytes``; see ``fedfeat.runs.train.memory_figures``) in GB, "-" where a run
+    has none (made before they were recorded; no CUDA). The JSON output always has them (bytes)."""
 
     if fmt not in ("markdown", "csv", "json"):
         raise FedfeatError(f"unknown format '{fmt}'; choose markdown, csv or json")
@@ -103,6 +108,15 @@ def report(
     if has_local:  # --local-test: the mean of per-client accuracies on local test splits (FedCoPL)
         cols += ["local acc", "worst-10% client acc"]  # the latter from results.npz's client_acc
     cols += ["s/round", "MB up"]
+    # --memory: the peak RSS column always, the others where some run has them
+    mem_keys = [
+        k for k in MEMORY_KEYS if k == "peak_rss_bytes" or any(s.get(k) is not None for s, _, _ in runs)
+    ]
+    mem_keys = mem_keys if memory else []
+    if memory:
+        names = {"peak_rss_bytes": "peak RSS (GB)", "rss_bytes_at_end": "RSS at end (GB)",
+                 "peak_device_bytes": "peak device (GB)"}  # fmt: skip
+        cols += [names[k] for k in mem_keys]
     rows = []
     for s, _m, q in runs:
         defaults = _method_defaults(s["method"])
@@ -128,6 +142,7 @@ def report(
         if has_local:
             row += [_fmt(s.get("local_acc")), _fmt(worst_client_acc(q))]
         row += [f"{s['seconds_per_round']:.3f}", f"{s['bytes_up'] / 1e6:.1f}"]
+        row += ["-" if s.get(k) is None else f"{s[k] / 1e9:.2f}" for k in mem_keys]
         rows.append(row)
     text = _table(cols, rows, fmt)
     return text + ("\n\n" + _unfinished_table(unfinished, fmt) if unfinished else "")

@@ -35,6 +35,7 @@ DEFAULTS = {
     "shards": None,
     "imbalance_factor": None,
     "partition_seed": None,
+    "min_size": None,
     "clients": 100,
     "participation": 0.1,
     "rounds": 10,
@@ -62,6 +63,7 @@ TYPES = {
     "participation": float,
     "shards": int,
     "partition_seed": int,
+    "min_size": int,
     "clients": int,
     "rounds": int,
     "seed": int,
@@ -93,6 +95,7 @@ class RunConfig:
     shards: int | None = None
     imbalance_factor: float | None = None
     partition_seed: int | None = None
+    min_size: int | None = None  # dirichlet: every client >= N or redraw (None: FedNTD's 10; 0: first draw)
     name: str | None = None
     shot_thresholds: str | None = None  # "many,few" counts, e.g. "1500,200" (CIFAR-10-LT) or "100,20"
     shots: int | None = None  # disjoint-classes: samples per client class (default 10)
@@ -385,6 +388,10 @@ def validate_config(cfg: RunConfig) -> None:
         )
     if cfg.shards is not None and cfg.shards < 1:
         bad("shards", f"must be >= 1, got {cfg.shards}")
+    if cfg.min_size is not None and cfg.min_size < 0:
+        bad("min_size", f"must be >= 0, got {cfg.min_size} (FedNTD: 10; 0 accepts the first draw)")
+    if cfg.min_size is not None and cfg.partition != "dirichlet":
+        bad("min_size", f"applies to --partition dirichlet only (got {cfg.partition}); drop --min-size")
     if cfg.shots is not None and cfg.shots < 1:
         bad("shots", f"must be >= 1, got {cfg.shots} (Fed-MP: 10)")
     from fedfeat.partition.openvocab import check_modes

@@ -661,7 +661,7 @@ def reproduce(
     ``failures`` list each is appended to it (``fedfeat.runs.sweep.Failure``) and its cell counts the runs that
     were made; without one, ``SweepFailed`` is raised after the others."""
     from fedfeat.report.load import load_run
-    from fedfeat.runs.sweep import Display, SweepFailed, run_sweep
+    from fedfeat.runs.sweep import Display, SweepFailed, plan, run_sweep
 
     if name not in TABLES:
         raise FedfeatError(f"unknown table '{name}'; known: {', '.join(TABLES)}")
@@ -738,6 +738,8 @@ def reproduce(
         paths: list = [None] * len(pts)
         safe = [i for (r, _), idx in where.items() if r not in live for i in idx]
         safe = sorted(set(safe))
+        live_idx = [i for (r, _), idx in where.items() if r in live for i in idx]
+        plan([pts[i] for i in safe + live_idx])  # each store/partition/RunData dropped after its last run
         display = Display(len(pts), label=name, quiet=not progress)
         failed: list = []
         if safe:

@@ -2,11 +2,26 @@
 
 Outside a ``session()`` block every run opens and loads its own; inside one (a sweep, ``reproduce``) each store,
 partition, loaded split and live encoder is made once and reused by every run that reads the same.
+
+**Memory follows the largest cell, not the grid** (issue 30). A sweep knows all its runs before it starts, so the
+session releases each cached item after the *last* run that uses it (not a byte-bounded LRU: last-use release is
+exact, needs no size guess, and never reloads what a later run will read again). ``Session.expect(cfgs)`` counts
+the planned uses of each item's *signature* -- a key computed from the config alone (``signatures``: the store's
+canonical location; + the partition settings; + the load settings; the live encoder's store, device, weights);
+each cached entry is tagged with the signatures of the runs that read it. ``Session.done(cfg)`` (after a run, or
+after a stack of runs: they share one copy) counts one use down, and drops every entry whose signatures all have no
+use left (then ``gc.collect()`` once, so cyclic references free the tensors at once). Signatures are coarser than
+or equal to the cache keys: an entry is never dropped while a planned run still reads it; a run whose entry was
+dropped (only possible when its signature differs from the one that made it) reloads it -- the same values. An
+entry no plan counts (a session without ``expect``, a ``reproduce`` check before its sweep) is kept to the
+session's end, as before. ``held()`` / ``held_bytes()`` say what the session holds now (tests, ``make bench``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
+from collections import Counter
 from dataclasses import dataclass, field
 
 from fedfeat.engine.data import check_labels
@@ -23,6 +38,109 @@ class Session:
     data: dict = field(default_factory=dict)  # (store path, partition key, load settings) -> RunData
     live: dict = field(default_factory=dict)  # (store path, device, pretrained) -> LiveText
     hits: int = 0
+    uses: Counter = field(default_factory=Counter)  # signature -> planned runs not yet done (``expect``)
+    tags: dict = field(
+        default_factory=dict
+    )  # (kind, cache key) -> signatures of the runs that read the entry
+    released: int = 0  # entries dropped after their last planned use
+    planned: bool = (
+        False  # an outer caller (``reproduce``) counted the runs: ``run_sweep`` does not count again
+    )
+
+    KINDS = ("stores", "partitions", "data", "live")
+
+    def expect(self, cfgs) -> None:
+        """Count the planned runs ``cfgs`` (each entry they read is kept until its last one is ``done``)."""
+        for cfg in cfgs:
+            self.uses.update(set(signatures(cfg).values()))
+
+    def done(self, cfgs) -> int:
+        """Runs ``cfgs`` are finished (or failed): count their uses down and drop every entry no planned run
+        reads any more. Returns how many entries were dropped."""
+        ended = set()
+        for cfg in cfgs:
+            for sig in set(signatures(cfg).values()):
+                if self.uses.get(sig, 0) > 0:
+                    self.uses[sig] -= 1
+                    if self.uses[sig] == 0:
+                        del self.uses[sig]
+                        ended.add(sig)
+        if not ended:
+            return 0
+        drop = [
+            tk
+            for tk, sigs in self.tags.items()
+            if sigs & ended and all(self.uses.get(g, 0) == 0 for g in sigs)
+        ]
+        for kind, key in drop:
+            getattr(self, kind).pop(key, None)
+            del self.tags[(kind, key)]
+        self.released += len(drop)
+        if drop:
+            gc.collect()  # RunData <-> memo / context closures: free the tensors now, not at the next collection
+        return len(drop)
+
+    def _tag(self, kind: str, key, cfg: RunConfig) -> None:
+        self.tags.setdefault((kind, key), set()).add(signatures(cfg)[kind])
+
+    def held(self) -> dict[str, int]:
+        """How many entries of each kind the session holds now."""
+        return {k: len(getattr(self, k)) for k in self.KINDS}
+
+    def held_bytes(self) -> int:
+        """Bytes of the tensors / arrays the session holds: its RunData (with their memos) and its stores'
+        memos of verified features (each storage counted once)."""
+        seen: set = set()
+        total = 0
+
+        def add(x) -> None:
+            nonlocal total
+            import numpy as np
+            import torch
+
+            if isinstance(x, torch.Tensor):
+                k = ("t", x.untyped_storage().data_ptr(), x.device.type)
+                if k not in seen:
+                    seen.add(k)
+                    total += x.untyped_storage().nbytes()
+            elif isinstance(x, np.ndarray):
+                base = x if x.base is None else x.base
+                if isinstance(base, np.ndarray) and id(base) not in seen:
+                    seen.add(id(base))
+                    total += base.nbytes
+            elif isinstance(x, (list, tuple)):
+                for v in x:
+                    add(v)
+            elif isinstance(x, dict):
+                for v in x.values():
+                    add(v)
+            elif hasattr(x, "__dataclass_fields__"):
+                for f in x.__dataclass_fields__:
+                    if f not in ("store", "live"):
+                        add(getattr(x, f))
+
+        for data in self.data.values():
+            add(data)
+        for store in self.stores.values():
+            add(getattr(store, "memo", None) or {})
+        return total
+
+
+def signatures(cfg: RunConfig) -> dict[str, tuple]:
+    """Each cached item's signature for a run: computed from its config alone, before any store is opened; two
+    runs that can share an entry have the same signature (``Session`` docstring)."""
+    from fedfeat.store.urls import canonical_store
+
+    where = canonical_store(cfg.store)
+    part = (where, cfg.partition, cfg.clients, cfg.alpha, cfg.shards, cfg.imbalance_factor, cfg.shots,
+            cfg.partition_seed, cfg.class_order, cfg.preset)  # fmt: skip
+    load = (str(cfg.device), cfg.local_val, cfg.query_val, cfg.local_test, cfg.val_split)
+    return {
+        "stores": ("store", where),
+        "partitions": ("partition", *part),
+        "data": ("data", *part, *load),
+        "live": ("live", where, str(cfg.device), cfg.pretrained),
+    }
 
 
 _ACTIVE: list[Session] = []
@@ -54,12 +172,14 @@ def open_store(cfg: RunConfig):
     if sess is not None and where in sess.stores:  # a sweep: one open store (and its label check) per process
         store = sess.stores[where]
         sess.hits += 1
+        sess._tag("stores", where, cfg)
     else:
         store = FeatureStore.open(cfg.store, mode="r")
         check_labels(store)
         if sess is not None:
             store.memo = {}  # verified feature arrays kept for the session's other runs
             sess.stores[where] = store
+            sess._tag("stores", where, cfg)
     if cfg.preset is not None:
         from fedfeat.partition.openvocab import PRESETS
 
@@ -95,9 +215,10 @@ def run_partition(store, cfg: RunConfig, save: bool):
     if cfg.partition == "disjoint-classes" and class_order_mode(cfg.class_order, cfg.preset) == "preset":
         order = preset_class_order(cfg.preset, store.class_names)
     ck = (str(store.path), cfg.partition, cfg.clients, cfg.alpha, cfg.shards, cfg.imbalance_factor, cfg.shots,
-          cfg.partition_seed, None if order is None else cfg.preset)  # fmt: skip
+          cfg.partition_seed, None if order is None else cfg.preset, cfg.min_size)  # fmt: skip
     if sess is not None and ck in sess.partitions:
         key, part = sess.partitions[ck]
+        sess._tag("partitions", ck, cfg)
     else:
         key, part = stored_partition.store_partition(
             store,
@@ -111,9 +232,11 @@ def run_partition(store, cfg: RunConfig, save: bool):
             save=False,
             class_order=order,
             class_order_name=None if order is None else cfg.preset,
+            min_size=cfg.min_size,
         )
         if sess is not None:
             sess.partitions[ck] = (key, part)
+            sess._tag("partitions", ck, cfg)
     stored = key in store.partition_keys()
     if save and not stored:
         from fedfeat.store.featurestore import FeatureStore
@@ -138,6 +261,7 @@ def run_data(store, part, key: str, cfg: RunConfig, device, centralized: bool):
     vs = cfg.val_split or 0.0
     ck = (str(store.path), key, str(device), centralized, lv, qv, lt, vs)
     if sess is not None and ck in sess.data:
+        sess._tag("data", ck, cfg)
         return sess.data[ck]
     data = load_run_data(
         store, part, device=device, centralized=centralized, local_val=lv, query_val=qv, local_test=lt,
@@ -146,6 +270,7 @@ def run_data(store, part, key: str, cfg: RunConfig, device, centralized: bool):
     if sess is not None:
         data.memo = {}
         sess.data[ck] = data
+        sess._tag("data", ck, cfg)
     return data
 
 
@@ -155,8 +280,10 @@ def live_text(store, cfg: RunConfig, device):
     sess = active()
     ck = (str(store.path), str(device), cfg.pretrained)
     if sess is not None and ck in sess.live:
+        sess._tag("live", ck, cfg)
         return sess.live[ck]
     live = load_live_text(store, device=device, pretrained=cfg.pretrained)
     if sess is not None:
         sess.live[ck] = live
+        sess._tag("live", ck, cfg)
     return live

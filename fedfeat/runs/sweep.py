@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from fedfeat.errors import FedfeatError
-from fedfeat.runs.session import active, session
+from fedfeat.runs.session import active, session, signatures
 
 
 def _as_list(key: str, v) -> list:
@@ -324,6 +324,28 @@ def _applicable(method: str, params: dict, log) -> dict:
     return {k: v for k, v in params.items() if k.replace("-", "_") in names}
 
 
+def configs(points: list[tuple[dict, dict]], log=None) -> list:
+    """The points' resolved ``RunConfig``s (each with only the hyperparameters its method has), as ``run_sweep``
+    runs them."""
+    from fedfeat.runs.config import DEFAULTS, resolve_config
+
+    out = []
+    for settings, params in points:
+        ps = _applicable(settings.get("method", DEFAULTS["method"]), params, log or (lambda *a: None))
+        out.append(resolve_config(settings, None, [f"{k}={v}" for k, v in ps.items()]))
+    return out
+
+
+def plan(points: list[tuple[dict, dict]]) -> None:
+    """Inside a ``session()`` that makes several ``run_sweep`` calls (``reproduce``): count all their points at
+    once, so an entry that a later call reads is kept across the earlier ones (``Session.expect``)."""
+    s = active()
+    if s is None:
+        return
+    s.expect(configs(points))
+    s.planned = True
+
+
 # runs per stacked program (memory: R x the virtual clients' heads, FST-CBDG's soft labels, banks)
 STACK_MAX = 16
 
@@ -425,7 +447,6 @@ def run_sweep(
     A run that fails does not stop the others. With a ``failures`` list, each failure is appended to it as a
     ``Failure`` and its place in the result is None; without one, ``SweepFailed`` (a ``FedfeatError`` naming the
     first) is raised once every other run is written. ``display`` (a ``Display``) is advanced per run."""
-    from fedfeat.runs.config import DEFAULTS, resolve_config
     from fedfeat.runs.train import run_name, stack_group, train_stacked
     from fedfeat.runs.train import train as run_train
 
@@ -440,11 +461,9 @@ def run_sweep(
     paths: list[Path] = []
     outer = active()
     with contextlib.nullcontext(outer) if outer is not None else session() as s:
-        cfgs = []
-        for settings, params in points:
-            method = settings.get("method", DEFAULTS["method"])
-            ps = _applicable(method, params, once)
-            cfgs.append(resolve_config(settings, None, [f"{k}={v}" for k, v in ps.items()]))
+        cfgs = configs(points, once)
+        if not s.planned:  # memory follows the largest cell: entries dropped after their last run (Session)
+            s.expect(cfgs)
         from fedfeat.store.urls import local_path
 
         for c in cfgs:  # run directories are local: a URL --out is refused before any store is opened
@@ -466,12 +485,14 @@ def run_sweep(
         for i, path in enumerate(names):
             if i in same:
                 log(f"[{i + 1}/{len(cfgs)}] {path.name}: the same run as point {same[i] + 1}")
+                s.done([cfgs[i]])
                 display.advance()
                 continue
             if (
                 (path / "summary.json").is_file() and not path.is_symlink() and not overwrite
             ):  # a link: train refuses
                 log(f"[{i + 1}/{len(cfgs)}] {path.name}: finished already, skipped")
+                s.done([cfgs[i]])
                 done[i] = path
                 display.advance()
             else:
@@ -480,6 +501,13 @@ def run_sweep(
         for i in pending:
             g = stack_group(cfgs[i]) if stack else None
             groups.setdefault(("one", i) if g is None else g, []).append(i)
+        # runs that read the same data run one after another (stable: each cell's groups at its first group's
+        # place), so a cell's data is dropped before the next is loaded; every run's result is its own (the order
+        # of independent runs changes no run directory or metric)
+        first: dict = {}
+        for members in groups.values():
+            first.setdefault(signatures(cfgs[members[0]])["data"], len(first))
+        groups = dict(sorted(groups.items(), key=lambda kv: first[signatures(cfgs[kv[1][0]])["data"]]))
         failed: list[Failure] = []
 
         def fail(i: int, e: BaseException) -> None:
@@ -500,6 +528,8 @@ def run_sweep(
                     except Exception as e:  # noqa: BLE001 -- recorded, reported at the end; Ctrl-C still stops
                         fail(i, e)
                         continue
+                    finally:
+                        s.done([cfgs[i]])  # what no later run reads is dropped now
                     display.advance()
                     continue
                 log(
@@ -509,6 +539,8 @@ def run_sweep(
                     res = train_stacked([cfgs[i] for i in chunk], overwrite=overwrite, log=lambda *a: None)
                 except Exception as e:  # noqa: BLE001 -- the whole stack failed: each of its runs is recorded
                     res = [e] * len(chunk)
+                finally:
+                    s.done([cfgs[i] for i in chunk])  # the stack shared one copy: dropped after the stack
                 for i, r in zip(chunk, res):
                     if isinstance(r, BaseException):
                         fail(i, r)
@@ -534,6 +566,7 @@ __all__ = [
     "expand",
     "failure_lines",
     "parse_values",
+    "plan",
     "read_grid",
     "run_sweep",
 ]

@@ -189,6 +189,8 @@ def train(
     ):  # torchrun: clients sharded across ranks
         return _train_sharded(cfg, method, resume, overwrite, checkpoint_every, save_partition, progress, log)
     device = _device if _device is not None else resolve_device(cfg.device)
+    if _stacked is None:  # a stacked run's peak is its stack's: reset once by train_stacked
+        reset_device_peak(device)
     kernel = resolve_kernel(cfg.kernel, method, cfg.engine, device)  # before anything is written
     store = open_store(cfg)
     key, part, stored = method_partition(store, cfg, method, save_partition)
@@ -414,6 +416,7 @@ def _train_locked(
         confusion = stacked[4] if stacked is not None and len(stacked) > 4 else (last_pred or {}).get("confusion")
         write_results(rd.partial, metrics, confusion)
         summary = _summary(cfg, method, method_params, kernel, device, key, rd.name, metrics, wall, store)
+        summary.update(memory_figures(device))  # peak_rss_bytes, rss_bytes_at_end, peak_device_bytes (CUDA)
         summary["checkpoint_seconds"] = ck_seconds[0]
         summary["compile_seconds"] = compiled[0]  # numba's compiles on first use: not in ``seconds``
         if not trained:
@@ -484,6 +487,7 @@ def train_stacked(cfgs: list[RunConfig], *, overwrite: bool = False, log=print) 
         raise FedfeatError("train_stacked: these runs cannot be stacked (see fedfeat.runs.train.stack_group)")
     cfg0 = cfgs[0]
     device = resolve_device(cfg0.device)
+    reset_device_peak(device)  # each run's peak_device_bytes is the whole stack's (one program, one copy of data)
     store = open_store(cfg0)
     key, part, _ = run_partition(store, cfg0, False)
     data = run_data(store, part, key, cfg0, device, False)
@@ -678,6 +682,46 @@ def _summary(cfg, method, method_params, kernel, device, key, name, metrics, wal
         },
         "provenance": provenance(),
     }
+
+
+def reset_device_peak(device) -> None:
+    """Start a run's ``peak_device_bytes`` afresh (``torch.cuda.reset_peak_memory_stats``); nothing off CUDA."""
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def memory_figures(device) -> dict:
+    """A run's measured memory, for summary.json (bytes):
+
+    * ``peak_rss_bytes``: the process's peak resident set size so far (``getrusage(RUSAGE_SELF).ru_maxrss``: KiB
+      on Linux, bytes on macOS). The process's high-water mark, not the run's: in a sweep it is the peak of all
+      the runs made so far in that process (a stacked run: its whole stack's).
+    * ``rss_bytes_at_end``: the resident set size when the run ends (``/proc/self/statm``; absent where there is
+      none), what the process still holds -- read before the peak, so ``peak_rss_bytes >= rss_bytes_at_end``.
+    * ``peak_device_bytes``: on CUDA only, ``torch.cuda.max_memory_allocated`` since the run's start (reset by
+      ``train``; a stacked run: since its stack's start). Tensors torch allocated, not the caching allocator's
+      reserve nor the CUDA context.
+    """
+    import sys
+
+    out = {}
+    try:
+        with open("/proc/self/statm") as f:
+            out["rss_bytes_at_end"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        out["peak_rss_bytes"] = int(peak if sys.platform == "darwin" else peak * 1024)
+    except (ImportError, OSError):  # no resource module (Windows)
+        pass
+    if "peak_rss_bytes" in out and "rss_bytes_at_end" in out:  # page rounding: the peak is never below the end
+        out["peak_rss_bytes"] = max(out["peak_rss_bytes"], out["rss_bytes_at_end"])
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        out["peak_device_bytes"] = int(torch.cuda.max_memory_allocated(device))
+    return out
 
 
 def run_name(cfg: RunConfig) -> Path:
