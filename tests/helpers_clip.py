@@ -21,27 +21,11 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from fedfeat.runs.standin import STANDIN_CFG  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 TINY_NAME = "fedfeat-tiny-vit"
-TINY_CFG = {
-    "embed_dim": 32,
-    "vision_cfg": {
-        "image_size": 32,
-        "layers": 2,
-        "width": 64,
-        "head_width": 32,
-        "patch_size": 8,
-        "mlp_ratio": 2,
-    },
-    "text_cfg": {
-        "context_length": 77,
-        "vocab_size": 49408,
-        "width": 64,
-        "heads": 2,
-        "layers": 2,
-        "mlp_ratio": 2,
-    },
-}
+TINY_CFG = STANDIN_CFG  # the same tiny ViT as reproduce's live stand-ins (fedfeat.runs.standin)
 CIFAR10_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
 
