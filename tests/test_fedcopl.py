@@ -213,7 +213,7 @@ def test_copl_linear_batched_equals_loop_and_fused_equals_torch(synth_store, pse
 
     text = torch.nn.functional.normalize(data.text_all[0], dim=-1)
     probs = torch.softmax(
-        data.clip_logit_scale * torch.nn.functional.normalize(data.train_x, dim=-1) @ text.T, -1
+        data.clip_logit_scale * torch.nn.functional.normalize(data.train_x.float(), dim=-1) @ text.T, -1
     )
     # round 1: the head is the text features, zero-shot CLIP
     if pseudo == "fpl":

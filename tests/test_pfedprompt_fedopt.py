@@ -319,7 +319,7 @@ def test_fedopt_patch_cache_is_open_clips_tokens_and_needs_pixels(store, live, g
     torch.testing.assert_close(ctx.cache["fedopt_train"][:16], F.normalize(tok @ visual.proj, dim=-1), atol=1e-5,
                                rtol=1e-5)  # fmt: skip
     assert (
-        float(F.cosine_similarity(pooled, data.train_x[:16], dim=-1).min()) > 0.999
+        float(F.cosine_similarity(pooled, data.train_x[:16].float(), dim=-1).min()) > 0.999
     )  # = the store's features
     data.store = None
     with pytest.raises(FedfeatError, match="its store needs pixels"):

@@ -75,7 +75,7 @@ def openvocab_data(store, live):
 
 
 def client_rows(data):
-    x = F.normalize(data.train_x, dim=-1)
+    x = F.normalize(data.train_x.float(), dim=-1)
     off = data.offsets.tolist()
     return [(x[off[i] : off[i + 1]], data.train_y[off[i] : off[i + 1]]) for i in range(len(off) - 1)]
 

@@ -62,7 +62,7 @@ def test_results_npz_holds_per_class_per_client_and_confusion(store, tmp_path):
     part = make_partition(st.labels("train"), "dirichlet", clients=5, alpha=0.3)
     data = load_run_data(st, part)
     w = load_file(run / "weights.safetensors")
-    pred = (data.test_x @ w["W"].T + w["b"]).argmax(1).numpy()
+    pred = (data.test_x.float() @ w["W"].T + w["b"]).argmax(1).numpy()
     y = data.test_y.numpy()
     K = st.n_classes
     want = np.zeros((K, K), np.int64)

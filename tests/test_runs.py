@@ -484,7 +484,7 @@ def test_local_test_reports_the_mean_of_per_client_accuracies(store, tmp_path):
     part = make_partition(st.labels("train"), "dirichlet", clients=4, alpha=0.3)
     data = load_run_data(st, part)
     text = torch.nn.functional.normalize(data.text_all[0], dim=-1)
-    pred = (torch.nn.functional.normalize(data.test_x, dim=-1) @ text.T).argmax(1).numpy()
+    pred = (torch.nn.functional.normalize(data.test_x.float(), dim=-1) @ text.T).argmax(1).numpy()
     y = data.test_y.numpy()
     rows = local_test_split(part, st.labels("train"), y, st.n_classes, seed=0)
     want = np.mean([(pred[r] == y[r]).mean() * 100 for r in rows if len(r)])
@@ -516,7 +516,7 @@ def test_local_test_joint_uses_the_test_split_drawn_with_the_partition(store, tm
     )
     data = load_run_data(st, part, local_test="joint")
     text = torch.nn.functional.normalize(data.text_all[0], dim=-1)
-    pred = (torch.nn.functional.normalize(data.test_x, dim=-1) @ text.T).argmax(1).numpy()
+    pred = (torch.nn.functional.normalize(data.test_x.float(), dim=-1) @ text.T).argmax(1).numpy()
     y = data.test_y.numpy()
     want = np.mean(
         [(pred[t] == y[t]).mean() * 100 for t in map(np.asarray, part.params["test_clients"]) if len(t)]

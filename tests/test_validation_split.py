@@ -44,7 +44,7 @@ def test_val_rows_are_scored_apart_from_the_test_rows(store):
     assert data.val_mask is not None and len(data.test_y) == 55
     m = get_method("fedavg", {"batch_size": "10"})
     glob, rows = run_federated(m, data, rounds=2, participation=1.0, seed=0)
-    x = torch.nn.functional.normalize(data.test_x, dim=-1)
+    x = torch.nn.functional.normalize(data.test_x.float(), dim=-1)
     pred = (m.p.logit_scale * (x @ glob["W"].T + glob["b"])).argmax(1)
     right = (pred == data.test_y).double()
     assert rows[-1]["test_acc"] == pytest.approx(100 * float(right[~vm].mean()), abs=1e-9)

@@ -20,10 +20,10 @@ from fedfeat.errors import FedfeatError
 class RunData:
     """Everything a run reads from the store, loaded once."""
 
-    train_x: torch.Tensor  # [N, D] client-major (float32, on device)
+    train_x: torch.Tensor  # [N, D] client-major, as stored (float16), on device; ``build_context`` upcasts
     train_y: torch.Tensor  # [N] client-major labels (kept by the engine; handed only to labelled methods)
     offsets: torch.Tensor  # [clients+1]
-    test_x: torch.Tensor  # [Nt, D]
+    test_x: torch.Tensor  # [Nt, D] as stored (float16)
     test_y: torch.Tensor  # [Nt]
     text_all: torch.Tensor  # [T, K, D] raw
     clip_logit_scale: float
@@ -43,6 +43,30 @@ class RunData:
     val_mask: torch.Tensor | None = (
         None  # [N_test] bool: rows of test_x held out for validation (``val_split``)
     )
+    compute_dtype: torch.dtype | None = None  # what methods compute in (None: float32 over float16 features)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the run computes in: over half-precision (stored) features ``load_run_data``'s ``dtype``
+        (float32 unless asked); features already in float32 / float64 (a ``RunData`` made or replaced by hand)
+        are computed in their own dtype."""
+        if self.train_x.dtype in (torch.float16, torch.bfloat16):
+            return self.compute_dtype or torch.float32
+        return self.train_x.dtype
+
+
+def upcast(x: torch.Tensor, dtype: torch.dtype, normalize: bool, chunk: int = 8192) -> torch.Tensor:
+    """``x`` (stored float16 rows) as ``dtype``, L2-normalised per row if asked, made a block of rows at a time:
+    the values equal ``F.normalize(x.to(dtype))`` exactly (the upcast is exact and each row is normalised on
+    its own), without the full-size upcast temporary beside the result (issue 30: features are held as they are
+    stored; this working copy is the one float32 array a run needs, which the fused CPU kernels read directly)."""
+    if x.dtype == dtype and not normalize:
+        return x
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    for a in range(0, x.shape[0], chunk):
+        xb = x[a : a + chunk].to(dtype)
+        out[a : a + chunk] = F.normalize(xb, dim=-1) if normalize else xb
+    return out
 
 
 def _normalize(x: torch.Tensor) -> torch.Tensor:
@@ -54,6 +78,8 @@ def build_context(data: RunData, method, seed: int, device: torch.device) -> Con
     norm = getattr(p, "normalize", True)
     memo = data.memo
 
+    dtype = data.dtype
+
     def _normalize(x: torch.Tensor, name: str = "") -> torch.Tensor:
         """L2-normalised rows; a sweep's shared data normalises each array once (the copies are never written:
         methods replace context tensors, they do not modify them in place)."""
@@ -63,7 +89,18 @@ def build_context(data: RunData, method, seed: int, device: torch.device) -> Con
             memo[name] = F.normalize(x, dim=-1)
         return memo[name]
 
-    text_all = _normalize(data.text_all.to(data.train_x.dtype))
+    def _features(x: torch.Tensor, name: str) -> torch.Tensor:
+        """A stored (float16) split as the method reads it: upcast to the run's dtype, normalised if the method
+        asks (``upcast``); made once per shared ``RunData`` (a sweep's memo) and per normalisation."""
+        key = f"{name}:{'norm' if norm else 'raw'}:{dtype}"
+        if memo is not None and key in memo:
+            return memo[key]
+        out = upcast(x, dtype, norm)
+        if memo is not None:
+            memo[key] = out
+        return out
+
+    text_all = _normalize(data.text_all.to(dtype))
     tmpl = getattr(p, "templates", "first")
     if tmpl == "first":
         text = text_all[0]
@@ -73,11 +110,11 @@ def build_context(data: RunData, method, seed: int, device: torch.device) -> Con
         raise FedfeatError(f"templates must be 'first' or 'ensemble', got {tmpl!r}")
     ctx = Context(
         device=device,
-        feats=_normalize(data.train_x, "train_x") if norm else data.train_x,
+        feats=_features(data.train_x, "train_x"),
         offsets=data.offsets,
         text=text.to(device),
         text_all=text_all.to(device),
-        test_x=_normalize(data.test_x, "test_x") if norm else data.test_x,
+        test_x=_features(data.test_x, "test_x"),
         clip_logit_scale=data.clip_logit_scale,
         seed=seed,
         n_clients=len(data.offsets) - 1,
@@ -134,8 +171,11 @@ def load_run_data(
 ) -> RunData:
     """Load a store's train (in the partition's client-major order) and test splits onto ``device``.
 
-    ``dtype`` float32 by default (stored float16 is upcast: never compute in float16 on a CPU); float64 is
-    for exactness checks (the engines agree to ~1e-12 there). A ``disjoint-classes`` partition makes the run
+    ``dtype`` float32 by default, the dtype methods compute in (never compute in float16 on a CPU); float64 is
+    for exactness checks. The train and test features are **held as stored** (float16: half the bytes of a float32
+    copy); ``build_context`` makes the method's working copy (upcast, normalised as the method asks, one block of
+    rows at a time), whose values are exactly those of upcasting first. Small arrays (text embeddings, an
+    open-vocabulary run's query / base / validation sets) are held in ``dtype`` (the engines agree to ~1e-12 there). A ``disjoint-classes`` partition makes the run
     open-vocabulary (``fedfeat.partition.openvocab``: ``local_val`` and ``query_val`` say how the clients' shots and the
     query set are split; the query set, not the whole test split, is then ``test_x`` / ``test_y``).
 
@@ -161,7 +201,7 @@ def load_run_data(
         offsets = np.array([0, len(order)], dtype=np.int64)
     feats = store.features("train")
     K = store.n_classes
-    x = torch.from_numpy(feats[order]).to(device=device, dtype=dtype)
+    x = torch.from_numpy(feats[order]).to(device=device)  # [N, D] as stored
     y = torch.from_numpy(labels[order]).to(device)
     has_test = "test" in store.splits
     tx_np = store.features("test") if has_test else feats
@@ -172,7 +212,7 @@ def load_run_data(
         ov, keep = _open_vocab(
             ov_parts, labels, feats, tx_np, ty_np, has_test, K, query_val, query_seed, device, dtype
         )
-    tx = torch.from_numpy(tx_np[keep]).to(device=device, dtype=dtype)
+    tx = torch.from_numpy(tx_np[keep]).to(device=device)  # [Nt, D] as stored
     lt = None
     if local_test != "none":
         from fedfeat.partition.make import LOCAL_TEST, local_test_split
@@ -236,6 +276,7 @@ def load_run_data(
         rows=order,
         test_rows=np.flatnonzero(keep) if ov is None and has_test else None,
         val_mask=vmask,
+        compute_dtype=dtype,
     )
 
 

@@ -54,7 +54,7 @@ class ZeroShot(Method):
         The logits are this method's ``predict`` on the store's whole test split (label -1 rows left out), over all
         classes: the run's own test set, except for an open-vocabulary partition, whose test set is the query set
         of novel classes."""
-        x, y = data.test_x, data.test_y
+        x, y = data.test_x.to(data.dtype), data.test_y  # held as stored (float16): upcast
         if data.open_vocab is not None:  # test_x is the novel-class query set: read the whole split instead
             split = "test" if "test" in store.splits else "train"
             labels = store.labels(split)
