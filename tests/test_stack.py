@@ -73,6 +73,9 @@ def _compare(name, cases, data, rounds=3, kernel="torch"):
                 assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-5)
             for key in ("pseudo_label_acc", "pseudo_label_acc_all"):
                 assert a.get(key) == pytest.approx(b.get(key), abs=1e-9)
+            assert set(a) == set(b)  # every method's own metrics (fedavg_head_acc, ratio_weights, ...)
+            for key in set(b) - {"seconds", "train_seconds", "train_loss", "clients", "per_class_acc"}:
+                assert a[key] == pytest.approx(b[key], abs=1e-5), key
     return got
 
 
@@ -113,12 +116,55 @@ def test_fedntd_stack_equals_one_by_one(data, data64, kernel):
     _compare("fedntd", cases, _data(kernel, data, data64), kernel=kernel)
 
 
+@pytest.mark.parametrize("kernel", ["torch", "fused"])
+def test_fedavgm_and_fednova_stack(data, data64, kernel):
+    """Methods that differ from FedAvg in their server step only (per run: its own hooks, its own state)."""
+    d = _data(kernel, data, data64)
+    cases = [({}, 0, 0.5), ({"server_momentum": "0.5", "server_lr": "0.5"}, 1, 0.5), ({"lr": "0.05"}, 0, 1.0)]
+    _compare("fedavgm", cases, d, kernel=kernel)
+    cases = [
+        ({}, 0, 0.5),
+        ({"mu": "0.1", "tau_eff": "steps"}, 1, 0.5),  # FedProx's local term beside a run without it
+        ({"gmf": "0.5", "weights": "population", "momentum": "0.5"}, 2, 1.0),
+    ]
+    _compare("fednova", cases, d, kernel=kernel)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "fused"])
+def test_tau_norm_stack_evaluates_each_runs_head(data, data64, kernel):
+    """fedavg-tau-norm's evaluated head is its own (``predict``): the stack evaluates it per run; its round metric
+    (the plain head's accuracy) and final weights (both heads) equal the runs made alone."""
+    cases = [({}, 0, 0.5), ({"tau": "0.5", "bias": "keep"}, 1, 0.5), ({"tau": "0"}, 0, 1.0)]
+    got = _compare("fedavg-tau-norm", cases, _data(kernel, data, data64), kernel=kernel)
+    assert all("W_tau" in w and "fedavg_head_acc" in rows[-1] for w, rows in got)
+
+
+def test_fed_focal_stack_equals_one_by_one(data64):
+    cases = [({}, 0, 0.5), ({"gamma": "0"}, 1, 0.5), ({"gamma": "0.5", "lr": "0.05"}, 0, 1.0)]
+    _compare("fed-focal", cases, data64)
+
+
+def test_ratio_loss_stack_equals_one_by_one(data64):
+    """Each run's class weights (its own monitor on its own seeded auxiliary set) ride along per virtual client."""
+    common = {"aux_per_class": "5", "local_epochs": "2", "batch_size": "16"}
+    cases = [
+        (common, 0, 0.5),
+        ({**common, "ratio_beta": "0.5"}, 1, 0.5),  # another seed: another auxiliary set
+        ({**common, "aux_per_class": "8", "lr": "0.05"}, 0, 1.0),  # same seed, another set size
+    ]
+    got = _compare("ratio-loss", cases, data64)
+    assert len({tuple(rows[-1]["ratio_weights"]) for _, rows in got}) == 3
+
+
 def test_what_cannot_stack_is_refused(data):
     with pytest.raises(FedfeatError, match="cannot be stacked"):
         run_stacked([get_method("fedavg", {}), get_method("fedavg", {"batch_size": "10"})], data, rounds=1,
                     participation=1.0, seeds=[0, 0])  # fmt: skip
     with pytest.raises(FedfeatError, match="cannot be stacked"):
-        run_stacked([get_method("fedavgm", {})], data, rounds=1, participation=1.0, seeds=[0])
+        run_stacked([get_method("creff", {})], data, rounds=1, participation=1.0, seeds=[0])
+    with pytest.raises(FedfeatError, match="cannot be stacked"):  # one method per stack
+        run_stacked([get_method("fedavg", {}), get_method("fedavgm", {})], data, rounds=1, participation=1.0,
+                    seeds=[0, 0])  # fmt: skip
 
 
 def test_a_diverging_run_stops_alone(data64):

@@ -38,7 +38,21 @@ from fedfeat.methods.fst_cbdg import synthetic_head
 from fedfeat.methods.head import batched_linear
 from fedfeat.methods.linear import ntd_loss
 
-STACKABLE = ("fedavg", "fedprox", "fedntd", "fst-cbdg")
+# the stackable methods and their local loss on the stacked torch program (the fused path runs each method's own
+# ``fused_loss``); everything else a run does (aggregation, server step, evaluation, round metrics, final weights)
+# is its own method's hook, called per run
+LOCAL_LOSS = {
+    "fedavg": "ce",
+    "fedavgm": "ce",  # server momentum: its server_update, per run
+    "fedprox": "ce",  # + (mu / 2) ||theta - theta_g||^2, per-run mu
+    "fednova": "ce",  # + FedProx's term when mu > 0; its normalised aggregation per run
+    "fedavg-tau-norm": "ce",  # FedAvg's training; the tau-normalised head evaluated per run (its predict)
+    "fedntd": "ntd",  # per-run tau, beta
+    "fed-focal": "focal",  # per-run gamma (no fused kernel: the torch program)
+    "ratio-loss": "weighted",  # per-run class weights of its monitor (torch program); the monitor per run
+    "fst-cbdg": "fst",
+}
+STACKABLE = tuple(LOCAL_LOSS)
 SHAPE_KEYS = ("batch_size", "local_epochs", "normalize", "templates", "renormalize_synthetic")
 
 
@@ -131,7 +145,11 @@ def _stacked(methods, data, rounds, parts, seeds, device, eval_every, on_round, 
     p0 = methods[0].p
     ctx0 = build_context(data, methods[0], seeds[0], device)
     ctx0.threads = threads
-    ctxs = [dataclasses.replace(ctx0, seed=int(s), state={}, cache=ctx0.cache, rounds=rounds) for s in seeds]
+    ctx0.test_xT()  # made once; each run's own cache starts with it (a method's cache, e.g. ratio-loss's seeded
+    # auxiliary set, is the run's own as it is alone)
+    ctxs = [
+        dataclasses.replace(ctx0, seed=int(s), state={}, cache=dict(ctx0.cache), rounds=rounds) for s in seeds
+    ]
     N, D, K = ctx0.feats.shape[0], ctx0.D, ctx0.K  # K: the soft labels' width
     for m, c in zip(methods, ctxs):
         m.setup(c)
@@ -144,7 +162,7 @@ def _stacked(methods, data, rounds, parts, seeds, device, eval_every, on_round, 
     dt = ctx0.feats.dtype
     hp = {
         k: _per_run(methods, k).to(device=device, dtype=dt)
-        for k in ("momentum", "weight_decay", "logit_scale", "mu", "tau", "beta", "lam", "sigma")
+        for k in ("momentum", "weight_decay", "logit_scale", "mu", "tau", "beta", "lam", "sigma", "gamma")
     }
     hp["self_training"] = torch.tensor([float(getattr(m.p, "self_training", True)) for m in methods])
     hp["self_training"] = hp["self_training"].to(device=device, dtype=dt)
@@ -240,7 +258,10 @@ def _record(
     if not skip:
         c0 = ctxs[runs[0]]
         K = c0.K
-        if c0.local_test is None and c0.open_vocab is None and c0.val_mask is None:
+        from fedfeat.methods.head import LinearHead
+
+        plain = all(type(methods[r]).predict is LinearHead.predict for r in runs)  # else: its own predict
+        if plain and c0.local_test is None and c0.open_vocab is None and c0.val_mask is None:
             W = torch.stack([globs[r]["W"] for r in runs])  # [r, K, D]
             b = torch.stack([globs[r]["b"] for r in runs])
             scale = torch.tensor([methods[r].p.logit_scale for r in runs], dtype=W.dtype, device=W.device)
@@ -270,7 +291,7 @@ def _record(
                 }
                 for i in range(len(runs))
             ]
-        else:  # local test splits / open vocabulary: each run's own evaluation
+        else:  # local test splits / open vocabulary / a method's own predict: each run's own evaluation
             from fedfeat.engine.rounds import evaluate
 
             evs = [evaluate(methods[r], ctxs[r], globs[r], test_y, K) for r in runs]
@@ -299,7 +320,7 @@ def _local(methods, ctxs, live, plans, globs, hp, syn_sum, fst, Qflat, N, D, rnd
     rr = _virtual([plans[r] for r in live])
     runs = torch.as_tensor(live, dtype=torch.int64)[rr.vrun]  # [V] run of each virtual client
     V = len(runs)
-    p0, name = methods[live[0]].p, methods[live[0]].name
+    p0, kind = methods[live[0]].p, LOCAL_LOSS[methods[live[0]].name]
     B, E = p0.batch_size, p0.local_epochs
     G = {k: torch.stack([globs[r][k] for r in range(len(globs))]) for k in ("W", "b")}  # [R, ...]
     params = {k: G[k][runs].clone() for k in G}  # [V, ...]
@@ -311,6 +332,12 @@ def _local(methods, ctxs, live, plans, globs, hp, syn_sum, fst, Qflat, N, D, rnd
     bufs = {k: torch.zeros_like(v) for k, v in params.items()}
     locs = {r: methods[r].local_begin(ctxs[r], plans[r], globs[r]) for r in live}
     vruns = runs.to(dev)
+    prox = kind == "ce" and bool(hp["mu"][torch.as_tensor(live, device=hp["mu"].device)].any())
+    cw = None
+    if (
+        kind == "weighted"
+    ):  # [R, K] the class weights each run's clients train with this round (local_begin's)
+        cw = torch.stack([locs[r]["w"] if r in locs else locs[live[0]]["w"] for r in range(len(methods))])
     loss_acc = torch.zeros(V, dtype=torch.float64, device=dev)
     steps_acc = torch.zeros(V, dtype=torch.int64)
     xbuf = torch.empty(V * B, D, dtype=ctxs[0].feats.dtype, device=dev)
@@ -351,17 +378,24 @@ def _local(methods, ctxs, live, plans, globs, hp, syn_sum, fst, Qflat, N, D, rnd
                     epoch,
                     rnd,
                 )
-            elif name == "fedntd":  # linear.ntd_loss, per-run tau and beta
+            elif kind == "ntd":  # linear.ntd_loss, per-run tau and beta
                 with torch.no_grad():
                     g = {k: G[k][runs[:n]] for k in G}
                     zg = scale[:n].view(n, 1, 1) * (
                         torch.bmm(x, g["W"].transpose(1, 2)) + g["b"].unsqueeze(1)
                     )
                 loss = ntd_loss(z, zg, ctxs[0].labels[ib], mb, hp["tau"][vruns[:n]], hp["beta"][vruns[:n]])
+            elif kind == "focal":  # focal.focal_loss, per-run gamma
+                loss = masked_mean(_focal(z, ctxs[0].labels[ib], hp["gamma"][vruns[:n]]), mb)
             else:
-                ce = F.cross_entropy(z.transpose(1, 2), ctxs[0].labels[ib], reduction="none")
+                y = ctxs[0].labels[ib]
+                ce = F.cross_entropy(z.transpose(1, 2), y, reduction="none")
+                if (
+                    kind == "weighted"
+                ):  # ratio_loss: (alpha + beta Ra_y) CE, each run's class weights of the round
+                    ce = torch.gather(cw[vruns[:n]], 1, y) * ce
                 loss = masked_mean(ce, mb)
-                if name == "fedprox":
+                if prox:
                     g = {k: G[k][runs[:n]] for k in G}
                     loss = loss + 0.5 * mu[:n] * sum(((p[k] - g[k]) ** 2).flatten(1).sum(1) for k in p)
             grads = torch.autograd.grad(loss.sum(), [p["W"], p["b"]])
@@ -488,6 +522,13 @@ def _local_fused(methods, ctxs, live, plans, globs, rnd, threads, fst, Q):
     return out, lsum, lcount
 
 
+def _focal(z: torch.Tensor, y: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    """``focal.focal_loss`` with one ``gamma`` per client (``[n]``) -> ``[n, B]``."""
+    logpt = F.log_softmax(z, dim=-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    mod = (1 - logpt.exp()).clamp_min(torch.finfo(z.dtype).tiny) ** gamma.view(-1, 1)
+    return torch.where(gamma.view(-1, 1) == 0, -logpt, -mod * logpt)
+
+
 @torch.no_grad()
 def _sgd(params, grads, bufs, n, lr, mom, wd, first):
     """``torch.optim.SGD`` per virtual client (``optim.BatchedSGD``'s rule) with per-client lr / momentum / wd."""
@@ -575,4 +616,4 @@ def _fst_loss(methods, ctxs, live, z, p, ib, mb, vr, syn, hp, syn_sum, Qflat, N,
     return loss + hp["lam"][vr] * torch.where(syn_sum[vr], summed, mean)
 
 
-__all__ = ["STACKABLE", "SHAPE_KEYS", "run_stacked", "stack_key"]
+__all__ = ["LOCAL_LOSS", "STACKABLE", "SHAPE_KEYS", "run_stacked", "stack_key"]
