@@ -74,7 +74,8 @@ def _compare(name, cases, data, rounds=3, kernel="torch"):
             for key in ("pseudo_label_acc", "pseudo_label_acc_all"):
                 assert a.get(key) == pytest.approx(b.get(key), abs=1e-9)
             assert set(a) == set(b)  # every method's own metrics (fedavg_head_acc, ratio_weights, ...)
-            for key in set(b) - {"seconds", "train_seconds", "train_loss", "clients", "per_class_acc"}:
+            timings = {k for k in b if k.startswith("sec") or k.endswith("seconds")}
+            for key in set(b) - timings - {"train_loss", "clients", "per_class_acc"}:
                 assert a[key] == pytest.approx(b[key], abs=1e-5), key
     return got
 
@@ -156,12 +157,52 @@ def test_ratio_loss_stack_equals_one_by_one(data64):
     assert len({tuple(rows[-1]["ratio_weights"]) for _, rows in got}) == 3
 
 
+SERVER_STEP = {  # small settings of the methods whose server step is their own (stacked: the local step only)
+    "ccvr": {"virtual_per_class": "20", "calibrate": "every", "calib_epochs": "1"},
+    "feddf": {
+        "server_data": "train",
+        "val_data": "train",
+        "val_size": "40",
+        "server_size": "60",
+        "distill_steps": "5",
+        "distill_batch": "16",
+    },
+    "fedbe": {"server_data": "train", "server_size": "60", "samples": "2"},
+    "creff": {"num_features": "4", "match_steps": "3", "crt_epochs": "2", "grad_repeats": "2"},
+    "clip2fl": {
+        "num_features": "4",
+        "match_steps": "3",
+        "crt_epochs": "2",
+        "grad_repeats": "2",
+        "pcl_repeats": "2",
+    },
+}
+
+
+@pytest.mark.parametrize("kernel", ["torch", "fused"])
+@pytest.mark.parametrize("name", sorted(SERVER_STEP))
+def test_server_step_methods_stack(data, data64, name, kernel):
+    """Local training batched over all runs' clients; each run's own server step (its seeded sets, its state)."""
+    from fedfeat.engine.rounds import resolve_kernel
+
+    base = {**SERVER_STEP[name], "local_epochs": "2"}
+    if (
+        kernel == "fused"
+        and resolve_kernel("auto", get_method(name, base), "batched", torch.device("cpu")) != kernel
+    ):
+        pytest.skip(f"{name} has no {kernel} kernel")
+    cases = [(base, 0, 0.5), ({**base, "lr": "0.05"}, 1, 0.5), (base, 2, 1.0)]
+    if name == "clip2fl":
+        cases[1][0].update(kd_alpha="0.5", kd_temperature="2")
+    _compare(name, cases, _data(kernel, data, data64), rounds=2, kernel=kernel)
+
+
 def test_what_cannot_stack_is_refused(data):
     with pytest.raises(FedfeatError, match="cannot be stacked"):
         run_stacked([get_method("fedavg", {}), get_method("fedavg", {"batch_size": "10"})], data, rounds=1,
                     participation=1.0, seeds=[0, 0])  # fmt: skip
     with pytest.raises(FedfeatError, match="cannot be stacked"):
-        run_stacked([get_method("creff", {})], data, rounds=1, participation=1.0, seeds=[0])
+        run_stacked([get_method("fed-mp", {})], data, rounds=1, participation=1.0, seeds=[0])
     with pytest.raises(FedfeatError, match="cannot be stacked"):  # one method per stack
         run_stacked([get_method("fedavg", {}), get_method("fedavgm", {})], data, rounds=1, participation=1.0,
                     seeds=[0, 0])  # fmt: skip

@@ -51,6 +51,12 @@ LOCAL_LOSS = {
     "fed-focal": "focal",  # per-run gamma (no fused kernel: the torch program)
     "ratio-loss": "weighted",  # per-run class weights of its monitor (torch program); the monitor per run
     "fst-cbdg": "fst",
+    # FedAvg's local training, a server step of their own (per run, as alone): only the local step is stacked
+    "ccvr": "ce",  # + classifier calibration on virtual features
+    "feddf": "ce",  # + ensemble distillation on a server set
+    "fedbe": "ce",  # + Bayesian ensemble distillation
+    "creff": "ce",  # + federated-feature synthesis and classifier re-training (torch program)
+    "clip2fl": "kd",  # CReFF's + CLIP distillation in the local loss, per-run kd_alpha / kd_temperature
 }
 STACKABLE = tuple(LOCAL_LOSS)
 SHAPE_KEYS = ("batch_size", "local_epochs", "normalize", "templates", "renormalize_synthetic")
@@ -162,7 +168,20 @@ def _stacked(methods, data, rounds, parts, seeds, device, eval_every, on_round, 
     dt = ctx0.feats.dtype
     hp = {
         k: _per_run(methods, k).to(device=device, dtype=dt)
-        for k in ("momentum", "weight_decay", "logit_scale", "mu", "tau", "beta", "lam", "sigma", "gamma")
+        for k in (
+            "momentum",
+            "weight_decay",
+            "logit_scale",
+            "mu",
+            "tau",
+            "beta",
+            "lam",
+            "sigma",
+            "gamma",
+            "kd_alpha",
+            "kd_temperature",
+            "teacher_logit_scale",
+        )  # fmt: skip
     }
     hp["self_training"] = torch.tensor([float(getattr(m.p, "self_training", True)) for m in methods])
     hp["self_training"] = hp["self_training"].to(device=device, dtype=dt)
@@ -333,7 +352,10 @@ def _local(methods, ctxs, live, plans, globs, hp, syn_sum, fst, Qflat, N, D, rnd
     locs = {r: methods[r].local_begin(ctxs[r], plans[r], globs[r]) for r in live}
     vruns = runs.to(dev)
     prox = kind == "ce" and bool(hp["mu"][torch.as_tensor(live, device=hp["mu"].device)].any())
-    cw = None
+    cw = zclip = None
+    if kind == "kd" and all(ctxs[r].state.get("z_clip") is not None for r in live):
+        zclip = torch.stack([ctxs[r].state["z_clip"] if r in locs else ctxs[live[0]].state["z_clip"]
+                             for r in range(len(methods))])  # fmt: skip
     if (
         kind == "weighted"
     ):  # [R, K] the class weights each run's clients train with this round (local_begin's)
@@ -385,6 +407,15 @@ def _local(methods, ctxs, live, plans, globs, hp, syn_sum, fst, Qflat, N, D, rnd
                         torch.bmm(x, g["W"].transpose(1, 2)) + g["b"].unsqueeze(1)
                     )
                 loss = ntd_loss(z, zg, ctxs[0].labels[ib], mb, hp["tau"][vruns[:n]], hp["beta"][vruns[:n]])
+            elif kind == "kd":  # synthesis.CLIP2FL.step_loss: CE + kd_alpha KD(z, CLIP's logits), per run
+                ce = masked_mean(F.cross_entropy(z.transpose(1, 2), ctxs[0].labels[ib], reduction="none"), mb)
+                vr = vruns[:n]
+                if zclip is not None:  # each run's teacher table (clip2fl's setup), [R, N, K]
+                    zt = zclip[vr.view(n, 1), ib]
+                else:
+                    with torch.no_grad():
+                        zt = hp["teacher_logit_scale"][vr].view(n, 1, 1) * torch.matmul(x, ctxs[0].text.T)
+                loss = ce + hp["kd_alpha"][vr] * _kd(z, zt, hp["kd_temperature"][vr], mb)
             elif kind == "focal":  # focal.focal_loss, per-run gamma
                 loss = masked_mean(_focal(z, ctxs[0].labels[ib], hp["gamma"][vruns[:n]]), mb)
             else:
@@ -520,6 +551,14 @@ def _local_fused(methods, ctxs, live, plans, globs, rnd, threads, fst, Q):
         lcount[r] = int(steps[w.numpy()].sum()) * E
         methods[r].local_end(ctxs[r], plans[r], locs[r], out[r])
     return out, lsum, lcount
+
+
+def _kd(z: torch.Tensor, zt: torch.Tensor, T: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``synthesis.kd_loss`` with one temperature per client (``[n]``) -> ``[n]``."""
+    t = T.view(-1, 1, 1)
+    lt = F.log_softmax(zt / t, -1)
+    kl = (lt.exp() * (lt - F.log_softmax(z / t, -1))).sum(-1)  # [n, B]
+    return T * T * masked_mean(kl, mask)
 
 
 def _focal(z: torch.Tensor, y: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
