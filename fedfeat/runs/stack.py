@@ -7,16 +7,34 @@ clients, their shuffled mini-batches, FST-CBDG's synthetic tables and noise) is 
 make, and the ``R`` runs' clients become ``R x m`` *virtual clients* of one round program -- one gather, one
 batched product, one optimizer step per local step for all runs, one evaluation product per round for all runs.
 What differs between runs rides along as per-virtual-client tensors (learning rate, momentum, weight decay,
-logit scale, FedProx's ``mu``, FST-CBDG's ``beta`` / ``lam`` / ``sigma`` / ``self_training``); per-sample state
-(FST-CBDG's soft labels) gets a run axis ``[R, N, K]``.
+logit scale, FedProx's / FedNova's ``mu``, FedNTD's ``tau`` / ``beta``, Fed-Focal's ``gamma``, Ratio Loss's class
+weights, CLIP2FL's ``kd_alpha`` / ``kd_temperature`` / teacher logits, FST-CBDG's ``beta`` / ``lam`` / ``sigma`` /
+``self_training``); per-sample state (FST-CBDG's soft labels) gets a run axis ``[R, N, K]``. Everything else a run
+does is its own method's hook, called per run with its own context (state, cache, seed) as alone: ``round_begin``,
+``local_begin`` / ``local_end``, ``aggregate``, ``server_update``, ``round_metrics``, ``final_weights``; a method
+with its own ``predict`` (tau-norm's normalised head, CCVR's calibrated one, CReFF's re-trained one) is evaluated
+per run, the plain linear heads in one product.
 
-Stacked results equal the runs made one by one with the torch program (``tests/test_stack.py``: weights and
-metrics <= 1e-5). The stacked program is the torch program (the fused CPU kernels run one run at a time), so a
-stack pays off where per-run overhead dominates: short local updates, many runs, a GPU (BENCHMARKS.md, "Stacked
-runs"). Each run's ``train_seconds`` is the stacked round's time divided by ``R``.
+Stacked results equal the runs made one by one (``tests/test_stack.py``: bit for bit with the fused CPU kernels;
+weights and metrics <= 1e-5 with the torch program). Each run's ``train_seconds`` is the stacked round's time
+divided by ``R``.
 
-Stackable methods: ``fedavg``, ``fedprox``, ``fedntd``, ``fst-cbdg`` (``STACKABLE``). Other methods, and runs that differ in
-what shapes the data (``SHAPE_KEYS``), are made one by one (``fedfeat.runs.sweep`` groups them).
+Which methods stack (``LOCAL_LOSS``; BENCHMARKS.md "Stacked runs" measures each):
+
+| method | stacks | what is stacked / why not |
+|---|---|---|
+| ``fedavg``, ``fedprox``, ``fedavgm``, ``fednova``, ``fedavg-tau-norm``, ``fedntd``, ``fst-cbdg`` | yes, fused + torch | the whole round but the per-run server step (server momentum, FedNova's normalised weights, tau-norm's head: a few ``[K, D]`` operations) |
+| ``fed-focal``, ``ratio-loss`` | yes, torch | the local step with per-run ``gamma`` / class weights; Ratio Loss's monitor (K head copies on its auxiliary set) per run |
+| ``ccvr``, ``feddf``, ``fedbe`` | yes, fused + torch | FedAvg's local step only; the calibration / distillation is a per-run optimisation loop over the run's own (seeded) server set, made as alone |
+| ``creff``, ``clip2fl`` | yes, torch | the local step only (CLIP2FL: + its distillation loss); the feature synthesis and classifier re-training per run, most of their round at the defaults (100 matching steps, 300 re-training epochs) |
+| ``zeroshot`` | no | no training: a run is one evaluation, nothing per round to share |
+| ``centralized`` | no | one client holding the whole split (``train`` loads other data than the sweep's partition); its round is all arithmetic, which stacking does not remove |
+| ``copl-linear`` | no | it trains on its own pseudo-labels, which replace the context's labels and client layout per run (``apply_selection``); the stacked program and the fused kernels read one label array for all runs |
+| ``fedclip``, ``fed-mp`` | no | an adapter MLP, not a ``{W, b}`` head; Fed-MP keeps per-client residuals and a keep-if-better local validation; their hooks read hyperparameters as scalars (``self.p``), so the generic route (the method's own batched ``step_loss`` over virtual clients) would need per-client hyperparameter tensors in ``fedmp.py`` |
+| ``promptfl``, ``fedtpg``, ``pfedprompt``, ``fedopt``, ``fedcopl`` | no | live encoders: a step is the text / image encoder's forward per run's prompts; stacking would be a larger encoder batch, not less overhead (and the prompt modules are their own) |
+
+Runs that differ in what shapes the data (``SHAPE_KEYS``), and the methods above that do not stack, are made one
+by one (``fedfeat.runs.sweep`` groups them).
 """
 
 from __future__ import annotations
@@ -293,7 +311,7 @@ def _record(
                     len(runs), K, -1
                 )
             finally:
-                torch.set_num_threads(one)
+                torch.set_num_threads(max(one, c0.threads))
             pred = (
                 (scale.view(-1, 1, 1) * z).transpose(1, 2).contiguous().argmax(-1)
             )  # [r, Nt] (engine.evaluate)

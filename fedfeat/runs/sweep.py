@@ -27,7 +27,8 @@ partitions with their own parameters::
     alpha = 0.1
 
 **Stacking** (default; ``fedfeat sweep --no-stack`` turns it off): the pending runs of a stackable method
-(``fedavg``, ``fedprox``, ``fedntd``, ``fst-cbdg``) that read the same data -- same store, partition, batch size, local epochs,
+(``fedfeat.runs.stack.STACKABLE``: the linear heads and their baselines, FST-CBDG, CReFF / CLIP2FL, CCVR, FedDF,
+FedBE; ``fedfeat.runs.stack``'s table says which do not and why) that read the same data -- same store, partition, batch size, local epochs,
 rounds, kernel, output -- are made as one batched program along a run axis (``fedfeat.runs.stack``): their seeds,
 participation and hyperparameters may differ. Each still gets its own ordinary run directory with what the same
 run made alone gives (``tests/test_stack.py``: bit for bit with the fused CPU kernels, <= 1e-5 with the torch
