@@ -24,6 +24,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	@if [ -n "$(TORCH_PIN)" ]; then echo "installing $(TORCH_PIN) first"; $(PY) -m pip install -q "$(TORCH_PIN)"; fi
 	$(PY) -m pip install -q -e '.[dev,hf,flower,tensorboard,wandb,slurm,ray]'
+	HF_HUB_OFFLINE=1 $(PY) -m fedfeat compile   # the fused CPU kernels, now: a first run then starts at once
 	@touch $@
 
 install: $(VENV)/.installed ## create .venv and install fedfeat (torch first, pinned) with its dev tools and the hf / flower / tensorboard / wandb / slurm / ray extras its tests use

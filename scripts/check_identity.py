@@ -7,7 +7,7 @@ with the working tree, from the same working directory and with the same argumen
 and cwd are equal too. Then, run by run:
 
 * ``metrics.jsonl``: every line equal, after dropping timing keys (``seconds``, ``*_seconds``, ``seconds_*``,
-  ``sec_*``);
+  ``sec_*``) and the process's measured memory (``peak_rss_bytes``, ``rss_bytes_at_end``, ``peak_device_bytes``);
 * ``summary.json``: equal, after dropping the same timing keys, ``provenance.git_commit`` (the ref's copy is an
   archive, not a checkout, so it has none; the working tree may have one) and the recorded command's argv[0] (each
   tree's own ``fedfeat/__main__.py``);
@@ -95,8 +95,17 @@ SWEEP = ["--method", "fedavg,fst-cbdg", "--seed", "0-1", "--clients", "10", "--p
          "2", "--partition", "shard"]  # fmt: skip
 
 
+MEMORY = (
+    "peak_rss_bytes",
+    "rss_bytes_at_end",
+    "peak_device_bytes",
+)  # a process's memory, measured like a time
+
+
 def _is_timing(key: str) -> bool:
-    return key == "seconds" or key.endswith("_seconds") or key.startswith(("seconds_", "sec_"))
+    return (
+        key == "seconds" or key.endswith("_seconds") or key.startswith(("seconds_", "sec_")) or key in MEMORY
+    )
 
 
 def _strip(obj):

@@ -284,6 +284,31 @@ def models(
         con.print(f"no hf-hub models in the Hugging Face cache ({found['hf_hub_cache']})")
 
 
+@app.command("compile")
+def compile_(
+    quiet: bool = typer.Option(False, "--quiet", help="Print nothing but errors."),
+) -> None:
+    """Compile the fused CPU kernels now (numba, ~25 s once per machine) instead of in the first run.
+
+    ``make install`` runs it. The machine code is cached on disk (next to fedfeat's source when that folder is
+    writable, else numba's per-user cache; NUMBA_CACHE_DIR overrides), so every later run starts at once; a new
+    machine, numba version or kernel source compiles again. Running it twice is harmless (the second loads the
+    cache)."""
+    from fedfeat.runs.compile import compile_kernels
+
+    res = compile_kernels(log=(lambda s: None) if quiet else (lambda s: typer.echo(s, err=True)))
+    if not quiet:
+        sigs = ", ".join(f"{k.lstrip('_')} {v}" for k, v in res["signatures"].items())
+        how = (
+            f"compiled in {res['compile_seconds']:.1f} s"
+            if res["compile_seconds"]
+            else "all loaded from the cache"
+        )
+        typer.echo(
+            f"fused kernels ready ({sigs} signatures; {how}; {res['seconds']:.1f} s in all); cache: {res['cache']}"
+        )
+
+
 # commands that live in their own modules (keeps this file a thin parser)
 cli_train.register(app)
 cli_encode.register(app)

@@ -350,8 +350,12 @@ def _train_locked(
         mfile = open(mpath, "a")  # noqa: SIM115 (closed below)
         bar = _progress_bar(cfg, method, key, done) if progress else None
         ck_seconds = [0.0]
+        startup = [None]  # the process's age when its first run starts training (``process_age``)
 
         def on_round(row: dict) -> None:
+            if startup[0] is None and stacked is None and not _STARTED:
+                _STARTED.append(True)
+                startup[0] = process_age()
             if groups is not None and "per_class_acc" in row:
                 row.update(group_accuracy(row["per_class_acc"], test_counts, groups))
             written.append(json.dumps(row) + "\n")
@@ -405,7 +409,8 @@ def _train_locked(
         trained = method.federated or centralized  # zeroshot: its head is the store's text features
         if trained:
             save_file(
-                {k: v.detach().cpu().contiguous() for k, v in glob.items()}, rd.partial / "weights.safetensors"
+                {k: v.detach().cpu().contiguous() for k, v in glob.items()},
+                rd.partial / "weights.safetensors",
             )
         ev_rows = [r for r in metrics if r["test_acc"] is not None]
         plot_curves(
@@ -413,12 +418,18 @@ def _train_locked(
             rd.partial / "curve.png",
             title=f"{cfg.method} on {Path(cfg.store).name}, {key}",
         )
-        confusion = stacked[4] if stacked is not None and len(stacked) > 4 else (last_pred or {}).get("confusion")
+        confusion = (
+            stacked[4] if stacked is not None and len(stacked) > 4 else (last_pred or {}).get("confusion")
+        )
         write_results(rd.partial, metrics, confusion)
         summary = _summary(cfg, method, method_params, kernel, device, key, rd.name, metrics, wall, store)
         summary.update(memory_figures(device))  # peak_rss_bytes, rss_bytes_at_end, peak_device_bytes (CUDA)
         summary["checkpoint_seconds"] = ck_seconds[0]
         summary["compile_seconds"] = compiled[0]  # numba's compiles on first use: not in ``seconds``
+        if (
+            startup[0] is not None
+        ):  # the first run of its process: start-up to training (BENCHMARKS.md, "First run")
+            summary["startup_seconds"] = startup[0]
         if not trained:
             summary["weights"] = (
                 f"none written: {cfg.method} trains nothing (its head is the store's class text features)"
@@ -437,7 +448,9 @@ def _train_locked(
         rundir.check_interrupt()  # an interrupt that something swallowed: no summary, nothing published
         ckpt.unlink(missing_ok=True)  # a finished run needs none
         _write_atomic(rd.partial / "summary.json", json.dumps(summary, indent=2))
-        cbs.run_end({**summary, "path": str(rd.final)})  # before the rename: loggers close files inside the run
+        cbs.run_end(
+            {**summary, "path": str(rd.final)}
+        )  # before the rename: loggers close files inside the run
         rundir.fault_point("before-publish")
         with rundir.deferred_interrupts():  # never cut between the renames; an interrupt is raised after them
             rd.publish(overwrite)
@@ -487,7 +500,9 @@ def train_stacked(cfgs: list[RunConfig], *, overwrite: bool = False, log=print) 
         raise FedfeatError("train_stacked: these runs cannot be stacked (see fedfeat.runs.train.stack_group)")
     cfg0 = cfgs[0]
     device = resolve_device(cfg0.device)
-    reset_device_peak(device)  # each run's peak_device_bytes is the whole stack's (one program, one copy of data)
+    reset_device_peak(
+        device
+    )  # each run's peak_device_bytes is the whole stack's (one program, one copy of data)
     store = open_store(cfg0)
     key, part, _ = run_partition(store, cfg0, False)
     data = run_data(store, part, key, cfg0, device, False)
@@ -579,6 +594,24 @@ def _run_info(cfg: RunConfig, method_params: dict, rd, resumed_after: int | None
         "resumed_after_round": resumed_after,
         "first_round": 0 if not resumed_after else resumed_after + 1,
     }
+
+
+_STARTED: list = []  # a run of this process has started training (only the first one has a start-up)
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (Linux: ``/proc/self/stat``'s start time against ``/proc/uptime``, to
+    the kernel's clock tick), else None. The first run of a process records its age when round 0 (the evaluation
+    before training) is written -- the moment training starts -- as ``startup_seconds``: interpreter, imports,
+    store, partition, loading, numba's kernels (compiled or loaded from the cache) and round 0's evaluation."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as f:
+            up = float(f.read().split()[0])
+        return max(0.0, up - int(fields[19]) / os.sysconf("SC_CLK_TCK"))  # field 22: starttime, in ticks
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 @contextlib.contextmanager
@@ -717,7 +750,9 @@ def memory_figures(device) -> dict:
         out["peak_rss_bytes"] = int(peak if sys.platform == "darwin" else peak * 1024)
     except (ImportError, OSError):  # no resource module (Windows)
         pass
-    if "peak_rss_bytes" in out and "rss_bytes_at_end" in out:  # page rounding: the peak is never below the end
+    if (
+        "peak_rss_bytes" in out and "rss_bytes_at_end" in out
+    ):  # page rounding: the peak is never below the end
         out["peak_rss_bytes"] = max(out["peak_rss_bytes"], out["rss_bytes_at_end"])
     if torch.device(device).type == "cuda" and torch.cuda.is_available():
         out["peak_device_bytes"] = int(torch.cuda.max_memory_allocated(device))
