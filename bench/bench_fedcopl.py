@@ -17,6 +17,7 @@ loss (tested: ``tests/test_prompt_ceiling.py``).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -30,6 +31,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import machine, write_table  # noqa: E402
+
+from fedfeat.methods.fedcopl import epoch_lr  # noqa: E402
 
 
 def build(work: Path, clients: int, batch: int, steps: int, params: dict | None = None) -> dict:
@@ -156,8 +159,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9, help="timed rounds per pass (interleaved)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "fedcopl.md"))
     args = ap.parse_args()
-    from fedfeat.methods.fedcopl import epoch_lr
-
+    if (
+        "OMP_NUM_THREADS" not in os.environ
+    ):  # one thread: on a shared 2-core host two threads stall (up to 20x)
+        torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         setup = build(Path(tmp), args.clients, args.batch, args.steps)
         ref = reference(setup)
