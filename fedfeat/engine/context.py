@@ -124,11 +124,24 @@ class RoundPlan:
         return int((self.steps > step).sum())
 
 
+COMPILED_SAMPLING_FROM = (
+    4096  # clients from which sample_clients runs numpy's choice compiled (the same draws)
+)
+
+
 def sample_clients(seed: int, rnd: int, n_clients: int, participation: float) -> np.ndarray:
-    """``max(1, int(participation * n_clients))`` distinct clients, from a stream keyed by (seed, round)."""
+    """``max(1, int(participation * n_clients))`` distinct clients, from a stream keyed by (seed, round): numpy's
+    ``RandomState(key).choice(n_clients, m, replace=False)``, sorted. From ``COMPILED_SAMPLING_FROM`` clients the
+    same draws run compiled (``fedfeat.engine.sampling``: bit for bit, ~2x faster at 100,000 clients)."""
     m = max(1, int(participation * n_clients))
     if m >= n_clients:
         return np.arange(n_clients)
+    if n_clients >= COMPILED_SAMPLING_FROM:
+        from fedfeat.engine.sampling import legacy_choice
+
+        return np.sort(
+            legacy_choice(rng.stream_key(seed, rnd, rng.TAG_SAMPLE_CLIENTS) % (2**32), n_clients, m)
+        )
     return np.sort(rng.numpy_rng(seed, rnd, rng.TAG_SAMPLE_CLIENTS).choice(n_clients, m, replace=False))
 
 
