@@ -102,3 +102,35 @@ def test_promptfl_batched_round_equals_per_client_loop_and_ceiling(pfl):
     for want in (bench_prompt.loop_round(s, text, bs, lr), bench_prompt.ceiling_round(s, text, bs, lr)):
         assert not torch.allclose(want, bench_prompt.start(s))
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_blocks_are_open_clips_blocks(copl):
+    """fedfeat.encoders.attention: the text tower's blocks and VPT's prompted blocks (prompt keys and values per
+    client, no work on the stripped rows) give the modules' own outputs and gradients."""
+    s, _ = copl
+    m = s["method"]
+    vit, tower = m.vit, m.learner.tower
+    assert vit.fast
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 3, 32, 32, generator=g)
+    prompts = torch.randn(3, vit.depth, vit.n_tokens, vit.width, generator=g).requires_grad_(True)
+    owner = torch.tensor([0, 2, 1, 1, 0, 2])
+    out = {}
+    for fast in (True, False):
+        vit.fast = fast
+        f = vit.forward(x, prompts, owner)
+        out[fast] = (f, torch.autograd.grad(f.square().sum(), [prompts])[0])
+    vit.fast = True
+    for a, b in zip(out[True], out[False]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    c = torch.randn(2, m.learner.n_ctx, tower.width, generator=g).requires_grad_(True)
+    L = m.learner.prefix.shape[1] + m.learner.n_ctx + m.learner.suffix.shape[1]
+    assert tower._fast_blocks(tower.attn_mask[:L, :L], L)
+    out = {}
+    for fast in (True, False):
+        tower._fast_memo = {L: fast}
+        f = m.learner.features(c)
+        out[fast] = (f, torch.autograd.grad(f.square().sum(), [c])[0])
+    del tower._fast_memo
+    for a, b in zip(out[True], out[False]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -43,6 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fedfeat.data.templates import fill
+from fedfeat.encoders.attention import block_forward, causal, plain
 from fedfeat.errors import FedfeatError
 
 
@@ -174,6 +175,21 @@ class TextTower:
     def can_truncate(self) -> bool:
         return self.attn_mask is not None
 
+    def _fast_blocks(self, mask: torch.Tensor | None, L: int) -> bool:
+        """Whether ``fedfeat.encoders.attention.block_forward`` reproduces the transformer (checked once per
+        length): batch-first plain blocks, no checkpointing, the mask none or open_clip's causal one."""
+        memo = self.__dict__.setdefault("_fast_memo", {})
+        if L not in memo:
+            t = self.transformer
+            memo[L] = (
+                getattr(t, "batch_first", False)
+                and not getattr(t, "grad_checkpointing", False)
+                and hasattr(t, "resblocks")
+                and all(plain(b) for b in t.resblocks)
+                and (mask is None or causal(mask, L))
+            )
+        return memo[L]
+
     def forward_embeddings(self, x: torch.Tensor, eot: torch.Tensor) -> torch.Tensor:
         """Text features ``[N, D]`` (unnormalised, as ``encode_text``) of prompt token embeddings ``x  # [N, L', W]``
         with ``L' <= L`` (a causal tower may get prompts cut after their EOT) and EOT positions ``eot  # [N]``."""
@@ -184,7 +200,11 @@ class TextTower:
             )
         x = x + self.positional_embedding[:L]
         mask = None if self.attn_mask is None else self.attn_mask[:L, :L]
-        x = self.transformer(x, attn_mask=mask)
+        if self._fast_blocks(mask, L):  # the blocks without nn.MultiheadAttention's reshuffles (.attention)
+            for blk in self.transformer.resblocks:
+                x = block_forward(blk, x, is_causal=mask is not None)
+        else:
+            x = self.transformer(x, attn_mask=mask)
         x = self.ln_final(x[torch.arange(x.shape[0], device=x.device), eot])  # pool, then the per-token LN
         p = self.text_projection
         if p is None:

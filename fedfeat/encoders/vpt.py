@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from fedfeat.encoders.attention import block_forward, plain, prompted_block_forward
 from fedfeat.errors import FedfeatError
 
 
@@ -45,6 +46,12 @@ class PromptedViT:
         self.n_tokens = n_tokens
         self.width = int(visual.positional_embedding.shape[-1])
         self.batch_first = getattr(visual.transformer, "batch_first", True)
+        # fedfeat.encoders.attention's blocks: the same function, no work on the prompt rows it strips
+        self.fast = (
+            self.batch_first
+            and not getattr(visual.transformer, "grad_checkpointing", False)
+            and all(plain(b) for b in blocks)
+        )
 
     def init_prompts(self, generator: torch.Generator | None, std: float = 0.02) -> torch.Tensor:
         """``[depth, P, W]`` drawn N(0, std²) in float64 from ``generator`` (FedCoPL: ``nn.init.normal_(std=0.02)``)."""
@@ -59,6 +66,16 @@ class PromptedViT:
         model inputs) with ``prompts  # [n, depth, P, W]`` and ``client_of_sample  # [B]`` (index into ``n``)."""
         v = self.visual
         x = v._embeds(images)  # [B, 1 + grid, W]
+        if (
+            self.fast
+        ):  # the prompts' keys and values once per client; no work on the stripped rows (.attention)
+            for i, blk in enumerate(self.blocks):
+                if i < self.depth:
+                    x = prompted_block_forward(blk, x, prompts[:, i].to(x.dtype), client_of_sample)
+                else:
+                    x = block_forward(blk, x)
+            pooled, _ = v._pool(x)
+            return pooled @ v.proj if v.proj is not None else pooled
         per = prompts.to(x.dtype)[client_of_sample]  # [B, depth, P, W]
         P = self.n_tokens
         if not self.batch_first:
