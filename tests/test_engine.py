@@ -261,7 +261,7 @@ def test_fst_soft_label_update_after_one_step(tmp_path):
         ctx.state["ctx"] = ctx
 
     m.setup = setup
-    x = torch.nn.functional.normalize(data.train_x, dim=1)
+    x = torch.nn.functional.normalize(data.train_x.float(), dim=1)
     t = torch.nn.functional.normalize(data.text_all[0], dim=1)
     f = torch.softmax(x @ t.T, dim=1)  # the initial head's prediction (logit scale 1)
     captured = {}

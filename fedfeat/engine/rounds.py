@@ -22,6 +22,14 @@ instead (``kernel="fused"``, the default there): the same shuffles, batches and 
 ``engine="loop"`` runs the same method one client after another (client axis of size 1, the client's own
 steps only), as the papers' code does: it is the oracle the batched engine is tested against.
 
+Host syncs (what a GPU waits for). Inside a round's local updates the torch program keeps everything on the
+device: its step tables are made on the host before they are copied over, and the loss is summed on the device.
+A round then syncs where its metrics row needs numbers: the summed training loss (``run_local``'s one ``float``),
+the finite check of the loss and weights (one transfer for all tensors, ``check_finite``) and, in an evaluated
+round, the evaluation's counts (one transfer, ``evaluate``). Methods sync where their algorithm needs a host
+decision: FedCoPL's and FPL's per-class selections, CCVR / FedDF / FedBE's server steps, a carried optimiser's
+client order; the torchrun path all-gathers the clients' parameters through the host (``sharded_local``).
+
 Methods that never read labels get a ``Batch`` whose ``y`` raises ``LabelAccessError`` (structural, not a
 convention): the engine does not even hold the training labels in the method's context.
 """
@@ -152,37 +160,76 @@ def evaluate(method, ctx: Context, glob: dict, test_y: torch.Tensor, n_classes: 
     # faster than the strided reduction (10,000 x 10: 0.45 vs 1.44 ms on one thread), and gives the same indices
     pred = logits.contiguous().argmax(1)
     correct = (pred == test_y).to(torch.float64)
-    extra = {}
-    if getattr(ctx, "local_test", None) is not None:  # its rows are test rows (validation rows left out)
-        extra = local_accuracy(method, ctx, glob, correct, test_y)
+    dev = test_y.device
+    # every count the metrics need, summed on the device and brought to the host in one transfer (the round's one
+    # sync for its evaluation; on a GPU nothing else of the evaluation waits): per class hits and images of the
+    # test rows, the validation rows' hits and count, each client's local hits and rows
     vm = getattr(ctx, "val_mask", None)
+    test_rows = ~vm if vm is not None else None
+    parts = [
+        torch.zeros(n_classes, dtype=torch.float64, device=dev).index_add_(
+            0,
+            test_y if test_rows is None else test_y[test_rows],
+            correct if test_rows is None else correct[test_rows],
+        ),
+        torch.bincount(test_y if test_rows is None else test_y[test_rows], minlength=n_classes).to(
+            torch.float64
+        ),
+    ]
     if vm is not None:  # --val-split: one prediction pass, the held-out rows scored apart
-        extra["val_acc"] = float(correct[vm].mean()) * 100
-        pred, test_y, correct = pred[~vm], test_y[~vm], correct[~vm]
-    per_class = torch.zeros(n_classes, dtype=torch.float64, device=test_y.device).index_add_(
-        0, test_y, correct
-    )
-    cnt = torch.bincount(test_y, minlength=n_classes).to(torch.float64)
-    pc = (per_class / cnt.clamp_min(1)).tolist()
-    out = {"acc": float(correct.mean()) * 100, "per_class_acc": [100 * v for v in pc], "pred": pred}
+        parts.append(torch.stack([correct[vm].sum(), vm.sum().to(torch.float64)]))
+    local = getattr(ctx, "local_test", None)
+    own = local is not None and hasattr(method, "local_accuracies")  # per-client models score themselves
+    if local is not None and not own:  # its rows are test rows (validation rows left out)
+        client_of, rows = _local_rows(ctx, dev)
+        C = len(local)
+        parts.append(torch.zeros(C, dtype=torch.float64, device=dev).index_add_(0, client_of, correct[rows]))
+    host = torch.cat(parts).tolist()  # the one host transfer
+    hits, cnt = host[:n_classes], host[n_classes : 2 * n_classes]
+    o = 2 * n_classes
+    extra = {}
+    if local is not None:
+        if own:
+            accs = method.local_accuracies(ctx, glob, test_y)
+        else:
+            accs = [100 * (h / len(r)) for h, r in zip(host[o + 2 * (vm is not None) :], local) if len(r)]
+        extra = local_summary(accs, local)
+    if vm is not None:
+        extra["val_acc"] = 100 * (host[o] / host[o + 1])
+    if test_rows is not None:
+        pred = pred[test_rows]
+    n = sum(cnt)
+    out = {
+        "acc": 100 * (sum(hits) / n) if n else float("nan"),
+        "per_class_acc": [100 * (h / max(c, 1.0)) for h, c in zip(hits, cnt)],
+        "pred": pred,
+    }
     if extra:
         out["extra"] = extra
     return out
 
 
-def local_accuracy(method, ctx: Context, glob: dict, correct: torch.Tensor, test_y: torch.Tensor) -> dict:
+def _local_rows(ctx: Context, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(client of each entry, test row of each entry)``: the clients' local test rows concatenated (made once per
+    run: a client's accuracy is then one ``index_add`` for all clients, not a loop)."""
+    if "local_rows" not in ctx.cache:
+        local = ctx.local_test
+        rows = torch.cat([r.to(torch.int64) for r in local]) if local else torch.zeros(0, dtype=torch.int64)
+        sizes = torch.tensor([len(r) for r in local], dtype=torch.int64)
+        client_of = torch.repeat_interleave(torch.arange(len(local)), sizes)
+        ctx.cache["local_rows"] = (client_of.to(dev), rows.to(dev))
+    return ctx.cache["local_rows"]
+
+
+def local_summary(accs: list[float], local: list) -> dict:
     """FedCoPL's metric: the unweighted mean over clients of each client's accuracy on its local test split
-    (clients with an empty split left out), with its standard deviation over clients. The methods here have one
-    global model, so a client's accuracy is that of the global predictions on its rows; a method with per-client
-    models gives its own (``local_accuracies``)."""
-    if hasattr(method, "local_accuracies"):  # per-client models (FedCoPL's local text prompts)
-        accs = method.local_accuracies(ctx, glob, test_y)
-    else:
-        accs = [float(correct[r.to(correct.device)].mean()) * 100 for r in ctx.local_test if len(r)]
+    (``accs``, one per client with a non-empty split, in client order; clients with an empty split left out), with
+    its standard deviation over clients. The methods here have one global model, so a client's accuracy is that of
+    the global predictions on its rows; a method with per-client models gives its own (``local_accuracies``)."""
     a = np.asarray(accs)
     # every client's accuracy in client order (None: no local test rows), for RUN/results.npz's client_acc
     it = iter(accs)
-    per_client = [float(next(it)) if len(r) else None for r in ctx.local_test]
+    per_client = [float(next(it)) if len(r) else None for r in local]
     return {
         "local_acc": float(a.mean()) if len(a) else None,
         "local_acc_std": float(a.std(ddof=1)) if len(a) > 1 else None,
@@ -362,8 +409,13 @@ def sharded_local(method, ctx: Context, plan: RoundPlan, glob: dict, kernel: str
 def check_finite(method, ctx: Context, rnd: int, glob: dict, loss: float | None) -> None:
     """Stop a run whose loss or weights became NaN or inf (a run that looks finished must not hold them)."""
     what = [] if loss is None or np.isfinite(loss) else ["training loss"]
+    names, flags = [], []
     for label, params in (("global", glob), ("evaluated", method.final_weights(ctx, glob))):
-        what += [f"{label} {k}" for k, v in params.items() if not bool(torch.isfinite(v).all())]
+        for k, v in params.items():
+            names.append(f"{label} {k}")
+            flags.append(torch.isfinite(v).all())
+    if flags:  # one host transfer for all of them (a round's one sync for this check)
+        what += [n for n, ok in zip(names, torch.stack(flags).tolist()) if not ok]
     if what:
         raise FedfeatError(
             f"round {rnd} of {method.name}: {', '.join(dict.fromkeys(what))} became non-finite (NaN or inf); "
