@@ -53,6 +53,7 @@ def main() -> None:
             "bench_sweep.py",
             "bench_plugin.py",
             "bench_memory.py",
+            "bench_scale.py",
             "bench_startup.py",
         ):
             path = ROOT / "bench" / script
