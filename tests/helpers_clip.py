@@ -44,6 +44,16 @@ def run_cli(args: list[str]):
     return CliRunner().invoke(cli_app(), [str(a) for a in args])
 
 
+def synth_store(
+    out: Path, dim: int = 32, train_per_class: int = 60, test_per_class: int = 20, templates: int = 1
+) -> Path:
+    """A small synthetic store at ``out`` (``fedfeat synth``, no statistics pass); returns its path."""
+    r = run_cli(["synth", "--out", out, "--dim", dim, "--train-per-class", train_per_class,
+                 "--test-per-class", test_per_class, "--templates", templates, "--no-stats"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    return Path(out)
+
+
 def cli_error_text(result) -> str:
     """The user-facing error of a failed CLI run: one line, exit status 2."""
     assert result.exit_code == 2, (result.exit_code, result.output, result.exception)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers_clip import synth_store
 from typer.testing import CliRunner
 
 from fedfeat.cli.app import app
@@ -17,11 +18,8 @@ runner = CliRunner()
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    out = tmp_path_factory.mktemp("comp") / "s.zarr"
-    r = runner.invoke(app, ["synth", "--out", str(out), "--dim", "16", "--train-per-class", "30",
-                            "--test-per-class", "10", "--templates", "1", "--no-stats"])  # fmt: skip
-    assert r.exit_code == 0, r.output
-    return out
+    path = synth_store(tmp_path_factory.mktemp("s") / "s.zarr", dim=16, train_per_class=30, test_per_class=10)
+    return path
 
 
 def test_runs_after_compile_compile_nothing(store, tmp_path):

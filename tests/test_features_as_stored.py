@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers_clip import synth_store
 from typer.testing import CliRunner
 
-from fedfeat.cli.app import app
 from fedfeat.engine.data import build_context, load_run_data, upcast
 from fedfeat.methods import get_method
 from fedfeat.partition import make_partition
@@ -20,11 +20,8 @@ runner = CliRunner()
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    out = tmp_path_factory.mktemp("f16") / "s.zarr"
-    r = runner.invoke(app, ["synth", "--out", str(out), "--dim", "24", "--train-per-class", "30",
-                            "--test-per-class", "10", "--templates", "1", "--no-stats"])  # fmt: skip
-    assert r.exit_code == 0, r.output
-    return FeatureStore.open(out, mode="r")
+    path = synth_store(tmp_path_factory.mktemp("s") / "s.zarr", dim=24, train_per_class=30, test_per_class=10)
+    return FeatureStore.open(path, mode="r")
 
 
 def test_upcast_equals_normalising_the_upcast_whole():
