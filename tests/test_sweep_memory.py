@@ -34,8 +34,10 @@ def watch(monkeypatch):
 
     def done(self, cfgs):
         before, before_bytes = self.held(), self.held_bytes()
+        memos = sum(1 for st in self.stores.values() if getattr(st, "memo", None))
         n = orig(self, cfgs)
-        seen.append({"before": before, "bytes": before_bytes, "after": self.held(), "dropped": n,
+        seen.append({"before": before, "bytes": before_bytes, "after": self.held(), "dropped": n, "memos": memos,
+                     "stores": {S.signatures(c)["stores"] for c in cfgs},
                      "runs": len(cfgs), "data_sigs": {S.signatures(c)["data"] for c in cfgs}})  # fmt: skip
         return n
 
@@ -140,3 +142,27 @@ def test_reproduce_holds_at_most_the_cells_in_flight(tmp_path, watch, monkeypatc
             r["final_acc"] for r in runs if r["method"] == c["row"].lower() and r["partition"].startswith(a)
         ]
         assert len(acc) == 2 and c["mean"] == pytest.approx(sum(acc) / 2)
+
+
+def test_grid_over_two_stores_holds_one_stores_splits_at_a_time(store, tmp_path, watch):
+    """alpha outer, store inner: the points interleave the stores, the sweep makes one store's cells after the
+    other's, and a store's memo of whole splits (read once for all its cells) is emptied after its last cell's
+    load: never two stores' splits at once, and none at the end of each store's cells."""
+    from fedfeat.runs.sweep import expand, run_sweep
+
+    other = tmp_path / "other.zarr"
+    r = runner.invoke(app, ["synth", "--out", str(other), "--dim", "32", "--train-per-class", "40",
+                            "--test-per-class", "10", "--templates", "1", "--no-stats", "--seed", "5"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    base = {"method": "fedavg", "partition": "dirichlet", "clients": 5, "rounds": 1, "participation": 1.0,
+            "device": "cpu", "out": str(tmp_path / "g")}  # fmt: skip
+    pts = expand(grid={"alpha": [0.3, 0.7, 1.0], "store": [str(store), str(other)]}, fixed=base)
+    with S.session() as sess:
+        paths = run_sweep(pts, progress=False, log=lambda *a: None, stack=False)
+        assert sess.memos_emptied == 2 and not sess.loads
+    assert len(watch) == 6 and all(w["memos"] <= 1 for w in watch)
+    order = [next(iter(w["stores"])) for w in watch]
+    assert order[:3] == [order[0]] * 3 and order[3:] == [order[3]] * 3 and order[0] != order[3]
+    # each store's memo is gone once its last cell has loaded: before the done of its last run
+    assert [w["memos"] for w in watch] == [1, 1, 0, 1, 1, 0]
+    assert all(p is not None and (p / "summary.json").is_file() for p in paths)

@@ -14,7 +14,9 @@ use left (then ``gc.collect()`` once, so cyclic references free the tensors at o
 or equal to the cache keys: an entry is never dropped while a planned run still reads it; a run whose entry was
 dropped (only possible when its signature differs from the one that made it) reloads it -- the same values. An
 entry no plan counts (a session without ``expect``, a ``reproduce`` check before its sweep) is kept to the
-session's end, as before. ``held()`` / ``held_bytes()`` say what the session holds now (tests, ``make bench``).
+session's end, as before. A store's memo of whole feature arrays (read and verified once for all the cells of that
+store) is emptied as soon as the last planned cell of the store has loaded its features (``Session.loaded``), not
+at the store's last run: a grid that visits its stores column by column then holds one store's splits at a time. ``held()`` / ``held_bytes()`` say what the session holds now (tests, ``make bench``).
 """
 
 from __future__ import annotations
@@ -46,13 +48,19 @@ class Session:
     planned: bool = (
         False  # an outer caller (``reproduce``) counted the runs: ``run_sweep`` does not count again
     )
+    memos_emptied: int = 0  # stores whose memo of feature arrays was emptied after their last planned load
+    loads: dict = field(
+        default_factory=dict
+    )  # store signature -> data signatures not loaded yet (its memo of feature arrays serves them)
 
     KINDS = ("stores", "partitions", "data", "live")
 
     def expect(self, cfgs) -> None:
         """Count the planned runs ``cfgs`` (each entry they read is kept until its last one is ``done``)."""
         for cfg in cfgs:
-            self.uses.update(set(signatures(cfg).values()))
+            sig = signatures(cfg)
+            self.uses.update(set(sig.values()))
+            self.loads.setdefault(sig["stores"], set()).add(sig["data"])
 
     def done(self, cfgs) -> int:
         """Runs ``cfgs`` are finished (or failed): count their uses down and drop every entry no planned run
@@ -65,6 +73,9 @@ class Session:
                     if self.uses[sig] == 0:
                         del self.uses[sig]
                         ended.add(sig)
+        for sig in ended:  # a finished cell loads nothing more
+            if sig[0] == "data":
+                self._loaded(sig)
         if not ended:
             return 0
         drop = [
@@ -79,6 +90,29 @@ class Session:
         if drop:
             gc.collect()  # RunData <-> memo / context closures: free the tensors now, not at the next collection
         return len(drop)
+
+    def loaded(self, cfg: RunConfig) -> None:
+        """The run ``cfg``'s features were loaded from its store (``run_data``)."""
+        self._loaded(signatures(cfg)["data"])
+
+    def _loaded(self, data_sig: tuple) -> None:
+        """``data_sig`` will not read its store again: once no planned cell of that store is left to load, the
+        store's memo of whole feature arrays (``FeatureStore.features``: the verified float16 splits, which spare
+        each cell of the store a read and a checksum pass) is emptied. The open store itself is kept to its last
+        run. Without this, a grid that goes from store to store (``reproduce``: column by column) held every
+        store's splits to its end."""
+        where = data_sig[1]  # ("data", store location, ...): ``signatures``
+        pend = self.loads.get(("store", where))
+        if pend is None:
+            return
+        pend.discard(data_sig)
+        if not pend:
+            del self.loads[("store", where)]
+            store = self.stores.get(where)
+            memo = getattr(store, "memo", None)
+            if memo:
+                memo.clear()
+                self.memos_emptied += 1
 
     def _tag(self, kind: str, key, cfg: RunConfig) -> None:
         self.tags.setdefault((kind, key), set()).add(signatures(cfg)[kind])
@@ -268,6 +302,7 @@ def run_data(store, part, key: str, cfg: RunConfig, device, centralized: bool):
         val_split=vs,
     )  # fmt: skip
     if sess is not None:
+        sess.loaded(cfg)  # the store's memo of whole splits is emptied after its last planned load
         data.memo = {}
         sess.data[ck] = data
         sess._tag("data", ck, cfg)

@@ -505,10 +505,19 @@ def run_sweep(
         # runs that read the same data run one after another (stable: each cell's groups at its first group's
         # place), so a cell's data is dropped before the next is loaded; every run's result is its own (the order
         # of independent runs changes no run directory or metric)
+        # -- and the cells of one store one after another (stores in their first point's order), so that one
+        # store's memo of whole splits is held at a time (``Session.loaded``)
         first: dict = {}
         for members in groups.values():
-            first.setdefault(signatures(cfgs[members[0]])["data"], len(first))
-        groups = dict(sorted(groups.items(), key=lambda kv: first[signatures(cfgs[kv[1][0]])["data"]]))
+            sig = signatures(cfgs[members[0]])
+            first.setdefault(sig["stores"], len(first))
+            first.setdefault(sig["data"], len(first))
+
+        def place(kv) -> tuple[int, int]:
+            sig = signatures(cfgs[kv[1][0]])
+            return first[sig["stores"]], first[sig["data"]]
+
+        groups = dict(sorted(groups.items(), key=place))
         failed: list[Failure] = []
 
         def fail(i: int, e: BaseException) -> None:
