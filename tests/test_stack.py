@@ -217,17 +217,18 @@ def test_a_diverging_run_stops_alone(data64):
     torch.testing.assert_close(good[0]["W"], want_w["W"], atol=1e-5, rtol=1e-5)
 
 
-def test_sweep_stacks_into_ordinary_run_directories(tmp_path):
+@pytest.mark.parametrize("method,sets", [("fst-cbdg", "sigma=0.5,2"), ("fedavg-tau-norm", "tau=0.5,1")])
+def test_sweep_stacks_into_ordinary_run_directories(tmp_path, method, sets):
     """``fedfeat sweep`` (stacking on by default): each point an ordinary run directory, bit for bit the run
-    made alone (``--no-stack``) with the fused kernels."""
+    made alone (``--no-stack``) with the fused kernels (tau-norm: its own evaluated head and saved weights)."""
     import json
 
     store = tmp_path / "s.zarr"
     r = run_cli(["synth", "--out", store, "--dim", "16", "--train-per-class", "20", "--test-per-class", "8",
                  "--classes", "4", "--templates", "1", "--no-stats"])  # fmt: skip
     assert r.exit_code == 0, r.output
-    common = ["sweep", "--method", "fst-cbdg", "--store", store, "--clients", "6", "--participation", "0.5",
-              "--rounds", "2", "--seed", "0,1", "--set", "sigma=0.5,2", "--quiet"]  # fmt: skip
+    common = ["sweep", "--method", method, "--store", store, "--clients", "6", "--participation", "0.5",
+              "--rounds", "2", "--seed", "0,1", "--set", sets, "--quiet"]  # fmt: skip
     for mode in ("stack", "no-stack"):
         r = run_cli([*common, "--out", tmp_path / mode, f"--{mode}"])
         assert r.exit_code == 0, (r.output, r.exception)
@@ -244,5 +245,5 @@ def test_sweep_stacks_into_ordinary_run_directories(tmp_path):
             sa["stacked_runs"] == 4 and "stacked_runs" not in sb and sa["kernel"] == sb["kernel"] == "fused"
         )
         assert wa == wb
-        for key in ("test_acc", "train_loss", "pseudo_label_acc", "clients"):
+        for key in ("test_acc", "train_loss", "pseudo_label_acc", "fedavg_head_acc", "clients"):
             assert [x.get(key) for x in ra] == [x.get(key) for x in rb], key
