@@ -26,7 +26,7 @@ Which methods stack (``LOCAL_LOSS``; BENCHMARKS.md "Stacked runs" measures each)
 | ``fedavg``, ``fedprox``, ``fedavgm``, ``fednova``, ``fedavg-tau-norm``, ``fedntd``, ``fst-cbdg`` | yes, fused + torch | the whole round but the per-run server step (server momentum, FedNova's normalised weights, tau-norm's head: a few ``[K, D]`` operations) |
 | ``fed-focal``, ``ratio-loss`` | yes, torch | the local step with per-run ``gamma`` / class weights; Ratio Loss's monitor (K head copies on its auxiliary set) per run |
 | ``ccvr``, ``feddf``, ``fedbe`` | yes, fused + torch | FedAvg's local step only; the calibration / distillation is a per-run optimisation loop over the run's own (seeded) server set, made as alone |
-| ``creff``, ``clip2fl`` | yes, torch | the local step only (CLIP2FL: + its distillation loss); the feature synthesis and classifier re-training per run, most of their round at the defaults (100 matching steps, 300 re-training epochs) |
+| ``creff``, ``clip2fl`` | yes, torch | the local step only (CLIP2FL: + its distillation loss); the feature synthesis and classifier re-training per run (100 matching steps, 300 re-training epochs: ~1 s a round at the defaults, BENCHMARKS.md "Cross-device scale") |
 | ``zeroshot`` | no | no training: a run is one evaluation, nothing per round to share |
 | ``centralized`` | no | one client holding the whole split (``train`` loads other data than the sweep's partition); its round is all arithmetic, which stacking does not remove |
 | ``copl-linear`` | no | it trains on its own pseudo-labels, which replace the context's labels and client layout per run (``apply_selection``); the stacked program and the fused kernels read one label array for all runs |
