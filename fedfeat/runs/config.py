@@ -375,6 +375,21 @@ def validate_config(cfg: RunConfig) -> None:
         bad("rounds", f"must be >= 0, got {cfg.rounds}")
     if cfg.eval_every < 1:
         bad("eval_every", f"must be >= 1, got {cfg.eval_every} (1: evaluate every round)")
+    # the settings a run only reads once training starts: refused here, so that a sweep or grid file with a bad
+    # value fails before its first run (one line, exit 2), not as a failed run
+    if cfg.engine not in ("batched", "loop"):
+        bad("engine", f"must be batched or loop, got {cfg.engine!r}")
+    from fedfeat.engine.rounds import KERNELS
+
+    if cfg.kernel not in KERNELS:
+        bad("kernel", f"must be one of {', '.join(KERNELS)}, got {cfg.kernel!r}")
+    dev = str(cfg.device)
+    if dev not in ("auto", "cpu", "cuda") and not (dev.startswith("cuda:") and dev[5:].isdigit()):
+        bad("device", f"must be auto, cpu, cuda or cuda:N, got {cfg.device!r}")
+    from fedfeat.partition.schemes import SCHEMES
+
+    if cfg.partition not in SCHEMES:
+        bad("partition", f"must be one of {', '.join(SCHEMES)}, got {cfg.partition!r}")
     if cfg.alpha is not None and not (math.isfinite(cfg.alpha) and cfg.alpha > 0):
         bad("alpha", f"must be a finite number > 0, got {cfg.alpha} (e.g. 0.1 or 0.5)")
     if cfg.imbalance_factor is not None and not (
