@@ -6,7 +6,7 @@ cold (no ``fedfeat compile`` yet: the run compiles) and warm (after ``fedfeat co
 Each command runs in a fresh process with its own empty ``NUMBA_CACHE_DIR`` (cold) or one that ``fedfeat compile``
 filled (warm). ``startup`` is the run's ``startup_seconds`` (``summary.json``: the process's age when round 1
 starts -- interpreter, imports, store, partition, loading, kernels, round 0's evaluation), ``compile`` its
-``compile_seconds``. The floor beside them: a process that only imports torch and numpy and reads the store's
+``compile_seconds``, and round 1's end the start-up plus round 1's ``seconds`` (a cold cache's compile falls there). The floor beside them: a process that only imports torch and numpy and reads the store's
 train features (``python -c``), which any tool on this data pays. Medians of ``--repeats`` processes.
 Setting: ``fedfeat train --method fedavg`` on the default synthetic store (Dirichlet 0.1, 100 clients), 1 round.
 """
@@ -44,7 +44,10 @@ def _train(store: str, env: dict) -> dict:
         wall = time.perf_counter() - t
         (run,) = [p for p in Path(tmp).iterdir() if not p.name.startswith(".")]
         s = json.loads((run / "summary.json").read_text())
-        return {"startup": s["startup_seconds"], "compile": s["compile_seconds"], "wall": wall}
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        first = next(r for r in rows if r["round"] == 1)["seconds"]  # round 1, a first use's compile included
+        return {"startup": s["startup_seconds"], "compile": s["compile_seconds"], "wall": wall,
+                "done": s["startup_seconds"] + first}  # fmt: skip
 
 
 def main() -> None:
@@ -80,7 +83,7 @@ def main() -> None:
         floor.append(time.perf_counter() - t)
         print(rows["warm"][-1], compile_s[-1], floor[-1], flush=True)
     med = {
-        k: {f: statistics.median(r[f] for r in v) for f in ("startup", "compile", "wall")}
+        k: {f: statistics.median(r[f] for r in v) for f in ("startup", "compile", "wall", "done")}
         for k, v in rows.items()
     }
     fl = statistics.median(floor)
@@ -93,13 +96,18 @@ def main() -> None:
         f"synthetic store, Dirichlet 0.1, 100 clients, 1 round; a fresh process per figure, its own "
         f"`NUMBA_CACHE_DIR`; medians of {args.repeats} warm processes, each after its own `fedfeat compile`; one cold).",
         "",
-        "| first `fedfeat train` | start-up to round 1 (s) | of it compiling (s) | whole command (s) | goal |",
-        "|---|---|---|---|---|",
-        f"| cold cache (no `fedfeat compile`) | {cold['startup']:.1f} | {cold['compile']:.1f} | {cold['wall']:.1f} | - |",
-        f"| warm cache (after `make install`'s `fedfeat compile`) | {warm['startup']:.1f} | {warm['compile']:.1f} | "
-        f"{warm['wall']:.1f} | <= 5 s |",
-        f"| floor: a process that imports torch and reads the store's train features | {fl:.1f} | - | {fl:.1f} | - |",
+        "| first `fedfeat train` | start-up to round 1's start (s) | to round 1's end (s) | compiling (s) | whole "
+        "command (s) | goal |",
+        "|---|---|---|---|---|---|",
+        f"| cold cache (no `fedfeat compile`) | {cold['startup']:.1f} | {cold['done']:.1f} | {cold['compile']:.1f} | "
+        f"{cold['wall']:.1f} | - |",
+        f"| warm cache (after `make install`'s `fedfeat compile`) | {warm['startup']:.1f} | {warm['done']:.1f} | "
+        f"{warm['compile']:.1f} | {warm['wall']:.1f} | <= 5 s |",
+        f"| floor: a process that imports torch and reads the store's train features | {fl:.1f} | - | - | {fl:.1f} "
+        "| - |",
         "",
+        "A cold cache starts round 1 as early, then compiles inside it (numba compiles a kernel on its first call): "
+        "the first round ends only after the compile. "
         f"`fedfeat compile` itself (cold cache, the two kernels and their stacked form; median): {comp:.1f} s. The warm "
         f"start-up is {warm['startup'] / fl:.1f}x the floor: what it adds is fedfeat's imports (typer, zarr, numba, "
         "the method registry), the partition, the client-major copy of the features and round 0's evaluation.",
