@@ -158,7 +158,7 @@ def main() -> None:
         "removes the floor's cause where a study has several runs: stacked runs (`fedfeat sweep`'s default, "
         "`fedfeat.runs.stack`) evaluate all their heads in one [R x 10, 1024] product, so the test features are read once "
         "per round for the R runs (at R x 10 rows the product is compute-bound, so it gets both threads), and each "
-        "run's Python bookkeeping is shared too: 43 % instead of 59 %, still above the goal. The class argmax reads a "
+        "run's Python bookkeeping is shared too (the first table's third row), still above the goal. The class argmax reads a "
         "contiguous copy of the logits (0.45 instead of 1.44 ms at 10,000 x 10, both engines). A fourth design read "
         "half the bytes: the test set held as stored (float16) and upcast + normalised a block at a time inside the "
         "evaluation; it is slower (the table's last row: the upcast and the norms cost more than the bandwidth they "
