@@ -29,11 +29,13 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 install: $(VENV)/.installed ## create .venv and install fedfeat (torch first, pinned) with its dev tools and the hf / flower / tensorboard / wandb / slurm / ray extras its tests use
 
-test: install ## run the test suite (fast, CPU, offline)
-	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest
+TEST_WORKERS ?= 2
+
+test: install ## run the test suite (fast, CPU, offline; TEST_WORKERS=2 processes, pytest-xdist; 0 runs in this process)
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS)
 
 test-all: install ## run every test, the slow ones too
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -m ''
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -n $(TEST_WORKERS) -m ''
 
 lint: install ## the import contracts (layers, independent method families; pyproject.toml), ruff lint and format check
 	$(VENV)/bin/lint-imports
