@@ -158,17 +158,76 @@ def peer(data, repeats: int) -> tuple[float, float]:
     return statistics.median(res["loop"]), statistics.median(res["stack"])
 
 
+def program_rows(data, repeats: int, only: set | None) -> list[str]:
+    """The table rows of the program alone (``PROGRAM``, or its methods in ``only``)."""
+    from fedfeat.engine.rounds import resolve_kernel
+    from fedfeat.methods import get_method
+
+    rows = []
+    for method, sets, rounds, most in PROGRAM:
+        if only is not None and method not in only:
+            continue
+        reps = min(repeats, most or repeats)
+        fused = resolve_kernel("auto", get_method(method, sets), "batched", torch.device("cpu")) == "fused"
+        for kernel in ("fused", "torch") if fused else ("torch",):
+            if method not in ("fedavg", "fst-cbdg") and kernel == "torch" and fused:
+                continue  # the torch program of the other fused methods is FedAvg's
+            o, t, s = in_process(data, method, sets, rounds, kernel, reps)
+            shown = method + (f" ({', '.join(f'{k}={v}' for k, v in sets.items())})" if sets else "")
+            rows.append(
+                f"| {shown} | {rounds} | {kernel} | {reps} | {o:.2f} | {t:.2f} | {s:.2f} | {t / s:.2f}x | {s / o:.1f}x |"
+            )
+            print(rows[-1], flush=True)
+    return rows
+
+
+def main_only(args, only: set) -> None:
+    """``--only``: the program alone for some methods, and the peer."""
+    data = load_data(args.store)
+    lines = [
+        f"## Stacked runs: the program alone, re-measured on a quiet machine ({', '.join(sorted(only))})",
+        "",
+        f"Machine: {machine()}, no other job running. Command: `python bench/bench_sweep.py --only {args.only} --out "
+        f"{Path(args.out).relative_to(ROOT) if Path(args.out).is_relative_to(ROOT) else args.out}` (as the section "
+        f"above, median of {args.repeats}; the section above was measured while other jobs shared the cores).",
+        "",
+        "| method | rounds | kernel | repeats | 1 run | 10 runs one by one | 10 runs stacked | one by one / stacked | "
+        "stacked / 1 run (goal <= 2x) |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *program_rows(data, args.repeats, only),
+    ]
+    lo, st = peer(data, args.repeats)
+    lines += [
+        "",
+        "| peer workload | plain per-client PyTorch loop | 10 runs stacked (fused) | loop / stacked |",
+        "|---|---|---|---|",
+        f"| fedavg, 10 runs x 10 rounds | {lo:.2f} | {st:.2f} | {lo / st:.1f}x |",
+        "",
+    ]
+    write_table(Path(args.out), lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--store", default=str(ROOT / "cache" / "synth-cifar10.zarr"))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "sweep.md"))
+    ap.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated methods: only their rows of the program alone and the peer, written to --out (a "
+        "re-measure of the light methods on a quiet machine, e.g. --only fedavg,fednova,fst-cbdg --out "
+        "bench/results/sweep_quiet.md)",
+    )
     args = ap.parse_args()
+    only = None if args.only is None else set(args.only.split(","))
     from fedfeat.store.urls import is_store
 
     py = [sys.executable, "-m", "fedfeat"]
     if not is_store(args.store):
         subprocess.run([*py, "synth", "--out", args.store], check=True, cwd=ROOT)
+    if only is not None:
+        return main_only(args, only)
     lines = [
         "## Stacked runs and sweeps: ten runs",
         "",
@@ -206,22 +265,8 @@ def main() -> None:
         "stacked / 1 run (goal <= 2x) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    from fedfeat.engine.rounds import resolve_kernel
-    from fedfeat.methods import get_method
-
     data = load_data(args.store)
-    for method, sets, rounds, most in PROGRAM:
-        reps = min(args.repeats, most or args.repeats)
-        fused = resolve_kernel("auto", get_method(method, sets), "batched", torch.device("cpu")) == "fused"
-        for kernel in ("fused", "torch") if fused else ("torch",):
-            if method not in ("fedavg", "fst-cbdg") and kernel == "torch" and fused:
-                continue  # the torch program of the other fused methods is FedAvg's
-            o, t, s = in_process(data, method, sets, rounds, kernel, reps)
-            shown = method + (f" ({', '.join(f'{k}={v}' for k, v in sets.items())})" if sets else "")
-            lines.append(
-                f"| {shown} | {rounds} | {kernel} | {reps} | {o:.2f} | {t:.2f} | {s:.2f} | {t / s:.2f}x | {s / o:.1f}x |"
-            )
-            print(lines[-1], flush=True)
+    lines += program_rows(data, args.repeats, None)
     lo, st = peer(data, args.repeats)
     lines += [
         "",
