@@ -5,7 +5,6 @@ engines, the store fingerprint check and its one-line errors, and ``fedfeat trai
 from __future__ import annotations
 
 import copy
-
 import json
 import shutil
 
