@@ -286,6 +286,26 @@ def write_md(args, ceil: dict, med: dict, rows: list[dict]) -> None:
     write_table(Path(args.out), lines)
 
 
+def plain_client_sgd(x, y, W0, b0, p, g, epochs: int = 1):
+    """A benchmark peer's client, as the papers' code trains one: a copy of the global head, ``torch.optim.SGD``
+    (``p``'s lr, momentum, weight decay), ``epochs`` epochs of mini-batches of ``p.batch_size`` over its rows
+    ``x [n, D]``, ``y [n]`` shuffled by ``g``; returns the trained ``(W, b)``."""
+    import torch.nn.functional as F
+
+    W, b = W0.clone().requires_grad_(True), b0.clone().requires_grad_(True)
+    opt = torch.optim.SGD([W, b], lr=p.lr, momentum=p.momentum, weight_decay=p.weight_decay)
+    n = x.shape[0]
+    for _ in range(epochs):
+        perm = torch.randperm(n, generator=g)
+        for i in range(0, n, p.batch_size):
+            idx = perm[i : i + p.batch_size]
+            loss = F.cross_entropy(p.logit_scale * (x[idx] @ W.T + b), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return W.detach(), b.detach()
+
+
 def write_table(out: Path, lines: list[str]) -> None:
     """Write a bench's markdown section to ``out`` (bench/results/, assembled into BENCHMARKS.md) and print it."""
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -45,7 +45,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import machine, peak_rss_mib, write_table  # noqa: E402
+from bench_engine import machine, peak_rss_mib, plain_client_sgd, write_table  # noqa: E402
 
 DIM, CLASSES, TEST_PER_CLASS = 512, 10, 1000
 BIG_PER_CLASS = 50_000  # 500,000 rows
@@ -88,27 +88,15 @@ def rss_mib() -> float:
 def torch_loop_round(ctx, glob: dict, clients, p, seed: int, rnd: int) -> dict:
     """One FedAvg round as a plain per-client PyTorch loop (the peer): ``clients`` one after another, on the
     engine's context's features (float32, normalised once, client-major) and labels."""
-    import torch.nn.functional as F
 
     feats, y, off = ctx.feats, ctx.labels, ctx.offsets
     W_sum, b_sum, total = torch.zeros_like(glob["W"]), torch.zeros_like(glob["b"]), 0
     g = torch.Generator().manual_seed(seed * 100_003 + rnd)
     for c in clients.tolist():
         a, z = int(off[c]), int(off[c + 1])
-        x, t = feats[a:z], y[a:z]
-        W = glob["W"].clone().requires_grad_(True)
-        b = glob["b"].clone().requires_grad_(True)
-        opt = torch.optim.SGD([W, b], lr=p.lr, momentum=p.momentum, weight_decay=p.weight_decay)
-        for _ in range(p.local_epochs):
-            perm = torch.randperm(z - a, generator=g)
-            for i in range(0, z - a, p.batch_size):
-                idx = perm[i : i + p.batch_size]
-                loss = F.cross_entropy(p.logit_scale * (x[idx] @ W.T + b), t[idx])
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-        W_sum += (z - a) * W.detach()
-        b_sum += (z - a) * b.detach()
+        W, b = plain_client_sgd(feats[a:z], y[a:z], glob["W"], glob["b"], p, g, p.local_epochs)
+        W_sum += (z - a) * W
+        b_sum += (z - a) * b
         total += z - a
     return {"W": W_sum / total, "b": b_sum / total}
 

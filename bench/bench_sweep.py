@@ -30,7 +30,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import machine, write_table  # noqa: E402
+from bench_engine import machine, plain_client_sgd, write_table  # noqa: E402
 
 
 def timed(cmds: list[list[str]]) -> float:
@@ -121,17 +121,9 @@ def torch_loop(data, seeds: list[int], rounds: int = 10, participation: float = 
             Ws, bs, total = torch.zeros_like(W0), torch.zeros_like(b0), 0
             for c in sample_clients(seed, rnd, n_clients, participation).tolist():
                 a, z = off[c], off[c + 1]
-                W, b = W0.clone().requires_grad_(True), b0.clone().requires_grad_(True)
-                opt = torch.optim.SGD([W, b], lr=p.lr, momentum=p.momentum, weight_decay=p.weight_decay)
-                perm = torch.randperm(z - a, generator=g) + a
-                for i in range(0, z - a, p.batch_size):
-                    idx = perm[i : i + p.batch_size]
-                    loss = F.cross_entropy(p.logit_scale * (x[idx] @ W.T + b), y[idx])
-                    opt.zero_grad()
-                    loss.backward()
-                    opt.step()
-                Ws += (z - a) * W.detach()
-                bs += (z - a) * b.detach()
+                W, b = plain_client_sgd(x[a:z], y[a:z], W0, b0, p, g)  # one local epoch (fedavg's default)
+                Ws += (z - a) * W
+                bs += (z - a) * b
                 total += z - a
             W0, b0 = Ws / max(total, 1), bs / max(total, 1)
             float(((tx @ W0.T + b0).argmax(1) == ty).double().mean())

@@ -166,15 +166,12 @@ def evaluate(method, ctx: Context, glob: dict, test_y: torch.Tensor, n_classes: 
     # test rows, the validation rows' hits and count, each client's local hits and rows
     vm = getattr(ctx, "val_mask", None)
     test_rows = ~vm if vm is not None else None
+    ty, tc = (
+        (test_y, correct) if test_rows is None else (test_y[test_rows], correct[test_rows])
+    )  # test rows only
     parts = [
-        torch.zeros(n_classes, dtype=torch.float64, device=dev).index_add_(
-            0,
-            test_y if test_rows is None else test_y[test_rows],
-            correct if test_rows is None else correct[test_rows],
-        ),
-        torch.bincount(test_y if test_rows is None else test_y[test_rows], minlength=n_classes).to(
-            torch.float64
-        ),
+        torch.zeros(n_classes, dtype=torch.float64, device=dev).index_add_(0, ty, tc),
+        torch.bincount(ty, minlength=n_classes).to(torch.float64),
     ]
     if vm is not None:  # --val-split: one prediction pass, the held-out rows scored apart
         parts.append(torch.stack([correct[vm].sum(), vm.sum().to(torch.float64)]))
