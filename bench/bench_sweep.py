@@ -213,6 +213,10 @@ def main() -> None:
     )
     args = ap.parse_args()
     only = None if args.only is None else set(args.only.split(","))
+    if only is not None and not only <= {m for m, *_ in PROGRAM}:
+        ap.error(
+            f"--only: unknown {sorted(only - {m for m, *_ in PROGRAM})}; choose from {[m for m, *_ in PROGRAM]}"
+        )
     from fedfeat.store.urls import is_store
 
     py = [sys.executable, "-m", "fedfeat"]
