@@ -69,18 +69,19 @@ Example::
     >>> st.features("train").shape, st.class_names[:2]
     ((50000, 1024), ['airplane', 'automobile'])
 
-Why one module over 600 lines: ``FeatureStore`` is the format. Its reads, writes and checks (done entries with
-crc32, ``complete`` written last, fingerprints, partitions' arrays) keep each other's invariants, and a reader of
-the format finds them in one class. Where a store is (paths, fsspec URLs) is ``fedfeat.store.urls``; its writer
-lock ``fedfeat.store.lock``.
+Modules: ``FeatureStore`` is this module's class (creating, opening, the attributes, ``summary``), with its
+methods by concern in mixins: ``fedfeat.store.writing`` (chunked writing, ``mark_complete``),
+``fedfeat.store.reading`` (verified reads, ``verify``) and ``fedfeat.store.partition_arrays`` (stored partitions);
+the checksums are ``fedfeat.store.checksums``, path arguments, modes and what ``create`` may replace
+``fedfeat.store.paths``, the attribute-against-array checks ``fedfeat.store.checks``. Where a store is (paths,
+fsspec URLs) is ``fedfeat.store.urls``; its writer lock ``fedfeat.store.lock``. Every name here before the split
+(``crc``, ``DONE_BIT``, ``path_arg``, ``default_chunk_rows`` ...) is still importable from this module.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import shutil
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -90,9 +91,19 @@ from zarr.codecs import ZstdCodec
 
 from fedfeat.errors import FedfeatError
 from fedfeat.store.checks import AttrCheck as _AttrCheck
-from fedfeat.store.checks import partition_problems as _partition_problems
+from fedfeat.store.checksums import DONE_BIT, crc, first_nonfinite_row  # noqa: F401  (re-exported)
 from fedfeat.store.format import FORMAT_VERSION, fingerprint_hash  # noqa: F401  (re-exported)
 from fedfeat.store.format import short as _short
+from fedfeat.store.partition_arrays import StorePartitions
+from fedfeat.store.paths import (  # noqa: F401  (re-exported)
+    MODES,
+    _clear_target,
+    check_mode,
+    half_created,
+    path_arg,
+    refuse_dangling_link,
+)
+from fedfeat.store.reading import StoreReading
 from fedfeat.store.urls import (
     group_meta,
     is_store,
@@ -101,10 +112,7 @@ from fedfeat.store.urls import (
     store_location,
     url_filesystem,
 )
-
-MIN_CHUNK_BYTES = 1 << 20  # a feature chunk is at least 1 MiB (fewer, larger files; zarr reads whole chunks)
-DONE_BIT = 1 << 32  # a done entry is DONE_BIT | crc32: never 0 (zarr's fill value for a missing entry)
-_F16_EXP = np.uint16(0x7C00)  # float16 exponent bits: all set means inf or NaN
+from fedfeat.store.writing import MIN_CHUNK_BYTES, StoreWriting, default_chunk_rows  # noqa: F401  (re-exported)
 
 REQUIRED_ATTRS = (
     "format_version",
@@ -120,133 +128,7 @@ REQUIRED_ATTRS = (
 )
 
 
-# errno -> (what happened, what to do), for writes that fail on the filesystem
-def crc(a: np.ndarray) -> int:
-    """crc32 of an array's C-order bytes (the checksum stored beside every chunk)."""
-    return zlib.crc32(np.ascontiguousarray(a).view(np.uint8).reshape(-1)) & 0xFFFFFFFF
-
-
-def first_nonfinite_row(a: np.ndarray) -> int | None:
-    """Index of the first row (along axis 0) holding NaN or inf, or None (float16 via its exponent bits)."""
-    a = np.asarray(a)
-    if a.dtype == np.float16:
-        bad = (a.view(np.uint16) & _F16_EXP) == _F16_EXP
-    else:
-        bad = ~np.isfinite(a)
-    if not bad.any():
-        return None
-    return int(np.flatnonzero(bad.reshape(len(a), -1).any(axis=1))[0])
-
-
-# FeatureStore.open's modes (zarr's own "w" truncates: fedfeat never passes it on to zarr)
-MODES = ("r", "r+", "w")
-
-
-def path_arg(path, what: str = "path", example: str = "cache/synth-cifar10.zarr") -> str | Path:
-    """A path argument of the public API: a ``str`` (a path or a store URL) or any ``os.PathLike`` (a
-    ``pathlib.Path``); anything else, bytes or an empty path is a one-line ``FedfeatError``."""
-    if isinstance(path, os.PathLike) and not isinstance(path, Path):
-        path = os.fspath(path)
-    if isinstance(path, Path):
-        return path
-    if not isinstance(path, str):
-        raise FedfeatError(
-            f"{what} must be a str or os.PathLike (e.g. pathlib.Path), got {type(path).__name__} "
-            f"{_short(path)}; e.g. {example!r}"
-        )
-    if not path.strip():
-        raise FedfeatError(f"{what} is empty; e.g. {example!r}")
-    return path
-
-
-def check_mode(mode) -> str:
-    """``mode`` of ``FeatureStore.open``: one of ``MODES``, else a one-line ``FedfeatError``."""
-    if not isinstance(mode, str) or mode not in MODES:
-        raise FedfeatError(
-            f"mode must be r, r+ or w, got {_short(mode)}: r reads (the default), r+ writes into a store "
-            "(partitions, a resumed encode), w rewrites one (a complete store needs overwrite=True); "
-            "FeatureStore.create makes a new store"
-        )
-    return mode
-
-
-# files and folders a store killed inside ``create`` can hold (besides its splits' groups)
-_STORE_ENTRIES = {"zarr.json", "text", "partitions", "sources"}
-
-
-def half_created(loc: Path | str, splits: set[str]) -> bool:
-    """A location left by a process killed inside ``FeatureStore.create``: a zarr group without any attributes
-    whose entries are only a store's own (its splits, text, partitions, sources). A user's zarr group with
-    attributes or other entries is not one."""
-    doc = group_meta(loc)
-    if doc is None or doc.get("node_type") != "group" or doc.get("attributes") not in (None, {}):
-        return False
-    if isinstance(loc, Path):
-        names = {e.name for e in loc.iterdir()}
-    else:
-        fs, p = url_filesystem(loc)
-        names = {str(e).rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(p, detail=False)}
-    return names <= _STORE_ENTRIES | splits
-
-
-def refuse_dangling_link(loc: Path | str) -> None:
-    """A symbolic link whose target is missing (an unmounted disk, a moved folder) is never replaced: writing
-    there would put the store on another disk and delete the link."""
-    if isinstance(loc, Path) and loc.is_symlink() and not loc.exists():
-        raise FedfeatError(
-            f"{loc} is a symbolic link to {os.readlink(loc)}, which does not exist (an unmounted disk?); mount or "
-            "create its target, or remove the link yourself, or choose another path"
-        )
-
-
-def _clear_target(loc: Path | str, overwrite: bool, splits: set[str]) -> None:
-    """Make room for a new store at ``loc`` (``create``), deleting only what fedfeat wrote.
-
-    Nothing there, an empty folder, or a store cut short inside ``create`` (no attributes yet): go ahead, as
-    ``fedfeat encode`` / ``synth`` do. A fedfeat store, complete or unfinished: only with ``overwrite``. A file, a
-    folder of other things, a symbolic link to anything but a store: never, whatever ``overwrite`` says.
-    A symbolic link to a store is replaced by the new store's folder (the link goes; its target stays)."""
-    refuse_dangling_link(loc)
-    if isinstance(loc, Path):
-        if not loc.exists():
-            return
-        link = loc.is_symlink()
-        if not link and loc.is_dir() and not any(loc.iterdir()):
-            return  # an empty folder: zarr writes into it
-    elif not store_exists(loc):
-        return
-    if is_store(loc):
-        if not overwrite:  # an unfinished one too: its writer may still be at work (encode resumes it itself)
-            attrs = (group_meta(loc) or {}).get("attributes", {})
-            state = "an unfinished" if attrs.get("complete") is False else "a complete"
-            raise FedfeatError(
-                f"{loc} already exists ({state} store); pass overwrite=True (the CLI's --force) to replace it, "
-                "or choose another path"
-            )
-    elif not (isinstance(loc, Path) and loc.is_symlink()) and half_created(loc, splits):
-        pass
-    else:
-        raise FedfeatError(  # never delete what fedfeat did not write, even with overwrite
-            f"{loc} exists and is not a fedfeat store; move it away yourself, or choose another path "
-            "(overwrite=True, like --force, replaces stores only)"
-        )
-    if isinstance(loc, Path):
-        if loc.is_symlink():
-            loc.unlink()  # the link only: the store it points to is not ours to delete
-        else:
-            shutil.rmtree(loc)
-    else:  # an object store has no directories: the prefix's objects go
-        fs, p = url_filesystem(loc)
-        fs.rm(p, recursive=True)
-
-
-def default_chunk_rows(embed_dim: int) -> int:
-    """Rows per feature chunk: the smallest power of two whose float16 chunk is >= 1 MiB."""
-    rows = MIN_CHUNK_BYTES / (2 * embed_dim)
-    return 1 << max(0, math.ceil(math.log2(rows)))
-
-
-class FeatureStore:
+class FeatureStore(StoreWriting, StoreReading, StorePartitions):
     """A fedfeat feature store on disk or at an fsspec URL. Use ``create`` to start one and ``open`` to read one."""
 
     def __init__(self, path: Path | str, group: zarr.Group, mode: str = "r"):
@@ -594,341 +476,6 @@ class FeatureStore:
     def set_sources(self, files: dict) -> None:
         self._g.require_group("sources").attrs.update({"files": files})
 
-    # ------------------------------------------------------------------ chunked writing
-    @property
-    def chunk_rows(self) -> int:
-        return int(self._attrs["chunk_rows"])
-
-    def n_chunks(self, split: str) -> int:
-        return math.ceil(self.n(split) / self.chunk_rows)
-
-    def chunk_slice(self, split: str, i: int) -> slice:
-        """Rows of feature chunk ``i`` of ``split``."""
-        r = self.chunk_rows
-        return slice(i * r, min((i + 1) * r, self.n(split)))
-
-    def _done(self, split: str) -> np.ndarray:
-        """``[n_chunks]`` uint64 done entries (0: pending, else DONE_BIT | crc32)."""
-        self._check_split(split)
-        return self._read(f"{split}/done").astype(np.uint64)
-
-    def done_chunks(self, split: str) -> np.ndarray:
-        """``[n_chunks]`` bool: which feature chunks are written whole."""
-        return self._done(split) != 0
-
-    @property
-    def has_pixels(self) -> bool:
-        return "pixels" in self.attrs
-
-    def write_chunk(self, split: str, i: int, feats: np.ndarray, pixels: np.ndarray | None = None) -> None:
-        """Write feature chunk ``i`` whole (``feats  # [rows, D]``), then record it as done with its checksum.
-        A store with pixels takes the chunk's ``pixels  # [rows, 3, H, W]`` uint8 too, written (with their own
-        checksum) before the features: a chunk is done only when both are.
-
-        Non-finite values (also float16 overflow) are refused: a store holds finite features only.
-        """
-        sl = self.chunk_slice(split, i)
-        if self.has_pixels:
-            H, W = self.attrs["pixels"]["size"]
-            px = np.ascontiguousarray(pixels, dtype=np.uint8) if pixels is not None else None
-            if px is None or px.shape != (sl.stop - sl.start, 3, H, W):
-                raise ValueError(
-                    f"chunk {i} of {split} needs pixels of shape {(sl.stop - sl.start, 3, H, W)}"
-                )
-            self._g[f"{split}/pixels"][sl] = px
-            self._g[f"{split}/pixels_crc"][i] = DONE_BIT | crc(px)
-        feats = np.asarray(feats)
-        if feats.shape != (sl.stop - sl.start, self.embed_dim):
-            raise ValueError(
-                f"chunk {i} of {split} needs shape {(sl.stop - sl.start, self.embed_dim)}, got {feats.shape}"
-            )
-        with np.errstate(over="ignore"):  # beyond float16's range becomes inf, refused just below
-            f16 = np.ascontiguousarray(feats.astype(np.float16))
-        r = first_nonfinite_row(f16)
-        if r is not None:
-            raise FedfeatError(
-                f"store {self.path}: refusing to write {split}/features row {sl.start + r}: not finite "
-                "(NaN or inf, or beyond float16's range)"
-            )
-        self._g[f"{split}/features"][sl] = f16
-        self._g[f"{split}/done"][i] = DONE_BIT | crc(f16)
-
-    def clear_chunks(self, split: str, chunks) -> None:
-        """Mark chunks pending again (their features are re-encoded); the store becomes incomplete."""
-        self.update_attrs(complete=False)
-        for i in chunks:
-            self._g[f"{split}/done"][int(i)] = 0
-
-    def _write_labels(self, split: str, labels: np.ndarray) -> None:
-        labels = np.ascontiguousarray(labels, dtype=np.int64)
-        self._g[f"{split}/labels"][:] = labels
-        self._g[f"{split}/labels_crc"][0] = DONE_BIT | crc(labels)
-
-    def set_labels(self, split: str, rows: slice, labels: np.ndarray) -> None:
-        """Overwrite labels of ``rows`` (used to mark unreadable images with -1); one process only."""
-        full = self.labels(split).copy()
-        full[rows] = np.asarray(labels, dtype=np.int64)
-        self._write_labels(split, full)
-
-    def write_text(self, feats: np.ndarray) -> None:
-        """Write the class-prompt embeddings ``feats  # [T, K, D]`` and record them as done."""
-        want = (len(self.templates), self.n_classes, self.embed_dim)
-        if tuple(feats.shape) != want:
-            raise ValueError(f"text features need shape {want}, got {tuple(feats.shape)}")
-        with np.errstate(over="ignore"):
-            f16 = np.ascontiguousarray(np.asarray(feats).astype(np.float16))
-        r = first_nonfinite_row(f16.reshape(-1, self.embed_dim))
-        if r is not None:
-            raise FedfeatError(
-                f"store {self.path}: refusing to write text/features template {r // self.n_classes}, "
-                f"class {r % self.n_classes}: not finite (NaN or inf)"
-            )
-        self._g["text/features"][:] = f16
-        self._g["text/done"][0] = DONE_BIT | crc(f16)
-
-    def text_done(self) -> bool:
-        return bool(self._read("text/done")[0])
-
-    def missing(self) -> dict[str, int]:
-        """Pending work: split -> number of chunks not yet done (and "text" -> 1 if pending)."""
-        out = {s: int((~self.done_chunks(s)).sum()) for s in self.splits}
-        out["text"] = 0 if self.text_done() else 1
-        return out
-
-    def update_attrs(self, **attrs: Any) -> None:
-        self._g.attrs.update(attrs)
-        self._refresh()
-
-    def mark_complete(self) -> None:
-        """Set the complete flag, after checking that every chunk and the text embeddings are done."""
-        pending = {k: v for k, v in self.missing().items() if v}
-        if pending:
-            raise RuntimeError(f"cannot mark {self.path} complete: pending chunks {pending}")
-        self.update_attrs(complete=True, finite=True)  # write_chunk / write_text refuse non-finite values
-
-    # ------------------------------------------------------------------ reading (verified)
-    def _check_chunk(self, split: str, i: int, block: np.ndarray, entry: int) -> None:
-        """Refuse chunk ``i`` of ``split`` (``block  # [rows, D]`` float16) unless it is finite and its
-        checksum matches the one recorded when it was written."""
-        sl = self.chunk_slice(split, i)
-        self._refuse_nonfinite(f"{split}/features", block, sl.start)
-        rows = f"rows {sl.start}-{sl.stop - 1}"
-        if entry == 0:
-            if self.complete:
-                raise self._damaged(
-                    f"{split}/features chunk {i} ({rows}) has no checksum record (its done entry is missing)"
-                )
-            raise FedfeatError(
-                f"store {self.path}: {split}/features chunk {i} ({rows}) is not written yet; "
-                "resume the store with the same `fedfeat encode` command"
-            )
-        if DONE_BIT | crc(block) != entry:
-            raise self._damaged(
-                f"{split}/features chunk {i} ({rows}) does not match its checksum "
-                "(chunk file missing, truncated or changed)"
-            )
-
-    def features(self, split: str) -> np.ndarray:
-        """All features of ``split``: ``[N, D]`` float16, unnormalised.
-
-        Every chunk is verified against its checksum and for finite values; a failure raises a one-line
-        ``FedfeatError`` naming the split, the chunk and its rows (or the first non-finite row).
-        """
-        self._check_split(split)
-        memo = getattr(self, "memo", None)  # a sweep's session keeps verified splits in memory (read-only)
-        if memo is not None and ("features", split) in memo:
-            return memo[("features", split)]
-        done = self._done(split)
-        try:
-            out = self._read(f"{split}/features")  # [N, D]: one read is faster than one per chunk
-        except FedfeatError:  # a chunk that does not decode: find it, to name it
-            for i in range(len(done)):
-                self._read_chunk(split, i)
-            raise
-        for i in range(len(done)):
-            self._check_chunk(split, i, out[self.chunk_slice(split, i)], int(done[i]))
-        if memo is not None:
-            out.setflags(write=False)
-            memo[("features", split)] = out
-        return out
-
-    def features_rows(self, split: str, rows: np.ndarray) -> np.ndarray:
-        """Features of the given rows only: reads (and verifies) only the chunks holding them."""
-        self._check_split(split)
-        rows = _rows_arg(rows)
-        n = self.n(split)
-        if len(rows) and (rows.min() < 0 or rows.max() >= n):
-            raise FedfeatError(
-                f"store {self.path}: rows outside 0..{n - 1} of split {split}; pass row positions"
-            )
-        out = np.empty((len(rows), self.embed_dim), dtype=np.float16)
-        done = self._done(split)
-        chunk_of = rows // self.chunk_rows
-        for i in np.unique(chunk_of):
-            sl = self.chunk_slice(split, int(i))
-            block = self._read_chunk(split, int(i))
-            self._check_chunk(split, int(i), block, int(done[i]))
-            sel = chunk_of == i
-            out[sel] = block[rows[sel] - sl.start]
-        return out
-
-    def pixels(self, split: str, rows) -> np.ndarray:
-        """The stored model inputs of ``rows``: ``[n, 3, H, W]`` uint8 after the model's resize and centre crop
-        (``normalize_pixels`` makes them the model's float input); the chunks read are checked against their
-        checksums."""
-        if not self.has_pixels:
-            raise FedfeatError(
-                f"store {self.path} keeps no pixels; re-encode it with `fedfeat encode ... --pixels` (live image "
-                "methods read images from the store)"
-            )
-        self._check_split(split)
-        rows = _rows_arg(rows)
-        H, W = self.attrs["pixels"]["size"]
-        out = np.empty((len(rows), 3, H, W), dtype=np.uint8)
-        crcs = self._read(f"{split}/pixels_crc").astype(np.uint64)
-        chunk_of = rows // self.chunk_rows
-        for c in np.unique(chunk_of):
-            sl = self.chunk_slice(split, int(c))
-            block = self._read(f"{split}/pixels", sl, f"chunk {int(c)}")
-            if DONE_BIT | crc(np.ascontiguousarray(block)) != int(crcs[c]):
-                raise self._damaged(f"{split}/pixels chunk {int(c)} does not match its checksum")
-            sel = chunk_of == c
-            out[sel] = block[rows[sel] - sl.start]
-        return out
-
-    def labels(self, split: str) -> np.ndarray:
-        """``[N]`` int64 labels of ``split`` (-1: row skipped as unreadable), checked against their checksum."""
-        self._check_split(split)
-        lab = self._read(f"{split}/labels")
-        entry = int(self._read(f"{split}/labels_crc")[0])
-        if entry != DONE_BIT | crc(lab.astype(np.int64)):
-            raise self._damaged(
-                f"{split}/labels (rows 0-{len(lab) - 1}) does not match its checksum "
-                "(chunk file missing, truncated or changed)"
-            )
-        return lab
-
-    def text_features(self) -> np.ndarray:
-        """``[T, K, D]`` float16 class-prompt embeddings, unnormalised; verified like ``features``."""
-        text = self._read("text/features")
-        self._refuse_nonfinite("text/features", text)
-        entry = int(self._read("text/done")[0])
-        if entry == 0 and not self.complete:
-            raise FedfeatError(f"store {self.path}: text/features are not written yet; resume the store")
-        if entry != DONE_BIT | crc(text):
-            raise self._damaged(
-                "text/features does not match its checksum (chunk file missing, truncated or changed)"
-            )
-        return text
-
-    def verify(self, log=None) -> dict:
-        """Check every attribute against the arrays (``attribute_problems``), then every written chunk, the
-        labels, the text features and the stored partitions against their checksums (``fedfeat info --verify``).
-
-        Attribute disagreements: one ``FedfeatError`` line naming the first (and, when ``log`` is given, each one
-        passed to ``log`` as a line of its own first); a damaged chunk: a one-line ``FedfeatError`` at the first
-        one. Returns counts of what was checked. Pending chunks of an incomplete store are skipped (they are not
-        written yet).
-        """
-        self._refuse_problems(self.attribute_problems(deep=True), log)
-        checked = {"chunks": 0, "rows": 0}
-        for split in self.splits:
-            self.labels(split)
-            done = self._done(split)
-            for i in np.flatnonzero(done != 0) if not self.complete else range(len(done)):
-                sl = self.chunk_slice(split, int(i))
-                self._check_chunk(split, int(i), self._read_chunk(split, int(i)), int(done[i]))
-                checked["chunks"] += 1
-                checked["rows"] += sl.stop - sl.start
-        if self.complete or self.text_done():
-            self.text_features()
-            checked["text"] = 1
-        for key in self.partition_keys():
-            self.partition_arrays(key)  # checksums, and offsets / order against the split
-        return checked
-
-    # ------------------------------------------------------------------ partitions
-    def save_partition_arrays(
-        self,
-        key: str,
-        scheme: str,
-        params: dict,
-        order: np.ndarray,
-        offsets: np.ndarray,
-        split: str = "train",
-    ) -> str:
-        """Store a partition of ``split`` under ``partitions/<key>``: ``order  # [n]`` split rows, client-major;
-        ``offsets  # [clients + 1]``; its scheme and parameters (``fedfeat.partition.stored`` makes them)."""
-        self._check_split(split)
-        # probe first: on a read-only store zarr's concurrent writes fail in background tasks that print their
-        # own tracebacks ("Task exception was never retrieved") beside the caller's one-line error
-        if isinstance(self.path, Path):
-            probe = self.path / f".write-probe-{os.getpid()}"
-            probe.touch()
-            probe.unlink()
-        else:
-            fs, p = url_filesystem(self.path)
-            fs.pipe_file(f"{p}/.write-probe-{os.getpid()}", b"")
-            fs.rm_file(f"{p}/.write-probe-{os.getpid()}")
-        pg = self._g.require_group("partitions")
-        if key in pg:
-            del pg[key]
-        kg = pg.require_group(key)
-        kg.create_array("order", shape=order.shape, chunks=(max(len(order), 1),), dtype="int64", fill_value=0)
-        kg["order"][:] = order
-        kg.create_array("offsets", shape=offsets.shape, chunks=(len(offsets),), dtype="int64", fill_value=0)
-        kg["offsets"][:] = offsets
-        kg.attrs.update(
-            {
-                "scheme": scheme,
-                "params": params,
-                "split": split,
-                "crc": {"order": crc(order.astype(np.int64)), "offsets": crc(offsets.astype(np.int64))},
-                "complete": True,
-            }
-        )
-        return key
-
-    def partition_keys(self) -> list[str]:
-        if "partitions" not in self._g:
-            return []
-        pg = self._arr("partitions")
-        return sorted(k for k, sub in pg.groups() if sub.attrs.get("complete"))
-
-    def _partition_array(self, key: str, name: str, attrs: dict) -> np.ndarray:
-        a = self._read(f"partitions/{key}/{name}").astype(np.int64)
-        want = attrs.get("crc", {}).get(name)
-        if want is not None and crc(a) != want:
-            raise FedfeatError(
-                f"store {self.path}: partitions/{key}/{name} does not match its checksum (chunk file missing "
-                "or changed); make the partition again with `fedfeat partition` (it is recomputed exactly)"
-            )
-        return a
-
-    def partition_info(self, key: str) -> dict:
-        a = dict(self._arr(f"partitions/{key}").attrs)
-        offs = self._partition_array(key, "offsets", a)
-        return {**a, "clients": len(offs) - 1, "samples": int(offs[-1])}
-
-    def partition_arrays(self, key: str) -> tuple[str, dict, np.ndarray, np.ndarray]:
-        """The stored partition ``key`` as ``(scheme, params, order, offsets)`` (``fedfeat.partition.stored.read``
-        makes a ``Partition`` of them)."""
-        if key not in self.partition_keys():
-            known = ", ".join(self.partition_keys()) or "none"
-            raise FedfeatError(
-                f"store {self.path} has no partition '{key}' (stored: {known}); "
-                "create it with `fedfeat partition`"
-            )
-        a = dict(self._arr(f"partitions/{key}").attrs)
-        order, offsets = (self._partition_array(key, k, a) for k in ("order", "offsets"))
-        bad = _partition_problems(self, key, a, order, offsets)
-        if bad:
-            raise FedfeatError(
-                f"store {self.path}: {bad[0]}; make the partition again with `fedfeat partition` (it is "
-                "recomputed exactly)"
-            )
-        return a["scheme"], a["params"], order, offsets
-
     # ------------------------------------------------------------------ summary
     def summary(self) -> dict:
         """A plain dict for ``fedfeat info``: attributes, sizes on disk, partitions."""
@@ -943,17 +490,6 @@ class FeatureStore:
             "bytes_on_disk": size,
             "partitions": {k: self.partition_info(k) for k in self.partition_keys()},
         }
-
-
-# ---------------------------------------------------------------------------------------- attributes vs arrays
-def _rows_arg(rows) -> np.ndarray:
-    """Row positions (``features_rows``, ``pixels``): a 1-D array-like of integers, else one line."""
-    a = np.asarray(rows)
-    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
-        raise FedfeatError(
-            f"rows must be a 1-D sequence of integer row positions, got {_short(rows)}; e.g. np.arange(10)"
-        )
-    return a.astype(np.int64)
 
 
 def _fs_of(loc: Path | str):
