@@ -82,6 +82,9 @@ class Context:
     store: object | None = None  # the FeatureStore (live image methods read its pixels)
     train_rows: np.ndarray | None = None  # [N] store rows of the client-major training samples
     test_rows: np.ndarray | None = None  # [N_test] store rows of test_x
+    # the learning rate of this round's optimiser as the engine made it (``method.make_optimizer(rnd).lr``: a decay
+    # schedule applied), set before ``local_begin``; None before the first round's local update
+    lr_round: float | None = None
 
     def test_xT(self) -> torch.Tensor:
         """``test_x`` transposed to ``[D, N_test]``, contiguous, made once: a linear head's test logits as
@@ -118,6 +121,11 @@ class RoundPlan:
     @property
     def m(self) -> int:
         return len(self.clients)
+
+    @property
+    def local_steps(self) -> torch.Tensor:
+        """``[m]`` local steps of each client in the round (all its epochs): the optimizer steps the engine makes."""
+        return self.steps * self.epochs
 
     def active(self, step: int) -> int:
         """Clients still training at ``step`` of an epoch (a prefix of the client axis)."""

@@ -129,7 +129,7 @@ def build_context(data: RunData, method, seed: int, device: torch.device) -> Con
         test_rows=data.test_rows,
         val_mask=data.val_mask,
     )
-    if getattr(method, "needs_live_text", False) and data.live is None:
+    if method.needs_live_text and data.live is None:
         raise FedfeatError(
             f"method {method.name} trains prompts and needs the store's live text encoder (fedfeat.encoders.live)"
         )

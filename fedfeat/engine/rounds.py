@@ -92,6 +92,7 @@ def run_local(
     # per-client parameters that start fresh every round and are never aggregated (Fed-MP's client residuals)
     params.update(method.local_params(ctx, plan))
     opt = method.make_optimizer(plan.rnd)
+    ctx.lr_round = opt.lr  # the round's learning rate, for the hooks (Method: "What the engine used")
     opt.reset(params)
     if carried is not None and carried.get("state"):  # the reference codes' one optimiser for every client
         opt.state = carried["state"]
@@ -176,7 +177,8 @@ def evaluate(method, ctx: Context, glob: dict, test_y: torch.Tensor, n_classes: 
     if vm is not None:  # --val-split: one prediction pass, the held-out rows scored apart
         parts.append(torch.stack([correct[vm].sum(), vm.sum().to(torch.float64)]))
     local = getattr(ctx, "local_test", None)
-    own = local is not None and hasattr(method, "local_accuracies")  # per-client models score themselves
+    # per-client models score themselves (a Method declares local_accuracies None; a bare predictor has none)
+    own = local is not None and getattr(method, "local_accuracies", None) is not None
     if local is not None and not own:  # its rows are test rows (validation rows left out)
         client_of, rows = _local_rows(ctx, dev)
         C = len(local)
@@ -384,7 +386,8 @@ def sharded_local(method, ctx: Context, plan: RoundPlan, glob: dict, kernel: str
     mine = slice(rank, plan.m, world)
     if len(range(*mine.indices(plan.m))):
         cp, st = run_local(method, ctx, plan, glob, rows=mine, kernel=kernel)
-    else:
+    else:  # no client here: the round's learning rate for the hooks all the same (run_local sets it)
+        ctx.lr_round = method.make_optimizer(plan.rnd).lr
         cp, st = {}, {"loss_sum": 0.0, "loss_steps": 0}
     parts: list = [None] * world
     dist.all_gather_object(parts, ({k: v.detach().cpu() for k, v in cp.items()}, st))
@@ -429,7 +432,7 @@ def _run(
     ctx.threads = threads
     ctx.rounds = rounds
     rank, world = dist_info()
-    if world > 1 and not type(method).__dict__.get("shardable", False):
+    if world > 1 and not method.shardable:  # not inherited: a promise of the class's own local training
         raise FedfeatError(
             f"method {method.name} cannot be sharded across processes (it keeps per-sample state that local "
             "training updates, or has no sharded form yet); run it in one process"

@@ -30,7 +30,15 @@ from fedfeat.methods import fednova, focal, ratio_loss, tau_norm, ccvr, feddf, f
 from fedfeat.methods import pfedprompt, fedopt  # noqa: E402, F401
 
 # isort: on
-from fedfeat.methods.base import REGISTRY, Method, get_method, method_table, register  # noqa: E402
+from fedfeat.methods.base import (  # noqa: E402
+    CAPABILITIES,
+    REGISTRY,
+    Method,
+    capabilities,
+    get_method,
+    method_table,
+    register,
+)
 from fedfeat.methods.head import LinearHead, LinearHeadParams  # noqa: E402
 
 ENTRY_POINT_GROUP = "fedfeat.methods"
@@ -62,4 +70,14 @@ def load_plugins() -> list[str]:
 
 load_plugins()
 
-__all__ = ["REGISTRY", "LinearHead", "LinearHeadParams", "Method", "get_method", "method_table", "register"]
+__all__ = [
+    "CAPABILITIES",
+    "REGISTRY",
+    "LinearHead",
+    "LinearHeadParams",
+    "Method",
+    "capabilities",
+    "get_method",
+    "method_table",
+    "register",
+]

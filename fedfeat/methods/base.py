@@ -7,7 +7,7 @@ import math
 import types
 import typing
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,10 +23,15 @@ REGISTRY: dict[str, type[Method]] = {}
 def register(cls):
     """Class decorator: add a method to the registry under ``cls.name``.
 
+    The class's capabilities (``CAPABILITIES``) are checked first: each must have its declared type, and a class
+    attribute one or two edits away from a capability's name (``needs_live_txt``) is a misspelling, refused (a
+    one-line ``FedfeatError`` naming the capability meant) rather than silently ignored.
+
     Registering a name again replaces the old class with a ``UserWarning`` naming both (a notebook cell that
     redefines a method is run again)."""
     if not cls.name:
         raise FedfeatError(f"{cls.__qualname__} has no name; set the class attribute name = 'my-method'")
+    check_capabilities(cls)
     old = REGISTRY.get(cls.name)
     if old is not None and old is not cls:
         warnings.warn(
@@ -169,20 +174,149 @@ def get_method(name: str, overrides: dict | None = None) -> Method:
 
 
 def method_table() -> list[dict]:
-    """Name, description, label use, runs-on, kernels (``--kernel``) and defaults of every registered method."""
+    """Name, description, label use, runs-on, kernels (``--kernel``), stacking, defaults and every capability
+    (``capabilities``) of every registered method."""
     rows = []
     for name, cls in REGISTRY.items():
+        caps = capabilities(cls)
         rows.append(
             {
                 "name": name,
                 "summary": (cls.__doc__ or "").strip().splitlines()[0],
-                "labels": "yes" if cls.uses_labels else "no",
-                "runs_on": cls.runs_on,
+                "labels": "yes" if caps["uses_labels"] else "no",
+                "runs_on": caps["runs_on"],
                 "kernels": "fused (CPU), torch" if cls(cls.Params()).has_fused() else "torch",
+                "stacks": caps["stack_loss"] or "no",
                 "defaults": dataclasses.asdict(cls.Params()),
+                "capabilities": caps,
             }
         )
     return rows
+
+
+# ---------------------------------------------------------------------------------------------------- capabilities
+# the local losses of fedfeat.runs.stack's program (its LOCAL_LOSS kinds)
+StackLoss = typing.Literal["ce", "ntd", "focal", "weighted", "fst", "kd"]
+STACK_LOSSES: tuple[str, ...] = typing.get_args(StackLoss)
+
+
+class Capability:
+    """One declared capability of a method: a class attribute of ``Method`` with a type, a default and one line of
+    doc. A method sets it as a plain class attribute (``needs_live_text = True``); ``register`` checks its type.
+
+    ``inherited=False``: a promise about a class's own code (its local training), which a subclass that may change
+    that code does not inherit: every subclass of ``Method`` starts from the default unless it sets the attribute
+    itself (``Method.__init_subclass__``)."""
+
+    def __init__(self, typ, default, doc: str, *, inherited: bool = True):
+        self.type, self.default, self.doc, self.inherited = typ, default, doc, inherited
+        self.name = ""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        return self.default  # Method's own value: the default
+
+    def accepts(self, value) -> bool:
+        return _cap_ok(self.type, value)
+
+    def type_name(self) -> str:
+        return _cap_type_name(self.type)
+
+    def __repr__(self) -> str:
+        return f"Capability({self.name}: {self.type_name()} = {self.default!r})"
+
+
+def _cap_ok(typ, v) -> bool:
+    origin, args = typing.get_origin(typ), typing.get_args(typ)
+    if typ is type(None) or typ is None:
+        return v is None
+    if origin is typing.Union or origin is types.UnionType:
+        return any(_cap_ok(a, v) for a in args)
+    if origin is typing.Literal:
+        return isinstance(v, str) and v in args
+    if origin is tuple:  # tuple[str, ...]
+        return isinstance(v, tuple) and all(_cap_ok(args[0], x) for x in v)
+    if typ is Callable or origin is Callable:
+        return callable(v)
+    if typ is bool:
+        return isinstance(v, bool)
+    return isinstance(v, typ)
+
+
+def _cap_type_name(typ) -> str:
+    origin, args = typing.get_origin(typ), typing.get_args(typ)
+    if typ is type(None) or typ is None:
+        return "None"
+    if origin is typing.Union or origin is types.UnionType:
+        return " or ".join(_cap_type_name(a) for a in args)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(map(repr, args))
+    if origin is tuple:
+        return f"a tuple of {_cap_type_name(args[0])}"
+    if typ is Callable or origin is Callable:
+        return "a method (callable)"
+    return getattr(typ, "__name__", str(typ))
+
+
+def _edits(a: str, b: str) -> int:
+    """Levenshtein distance of two names (insertions, deletions, substitutions)."""
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
+
+
+def capabilities(cls) -> dict:
+    """``{capability: value}`` of a method class (or instance), every name of ``CAPABILITIES`` in its order.
+
+    Example::
+
+        >>> from fedfeat.methods import REGISTRY
+        >>> c = capabilities(REGISTRY["zeroshot"])
+        >>> c["federated"], c["needs_partition"], c["stack_loss"]
+        (False, False, None)
+    """
+    cls = cls if isinstance(cls, type) else type(cls)
+    return {name: getattr(cls, name) for name in CAPABILITIES}
+
+
+def stackable() -> dict[str, str]:
+    """``{method name: stack_loss}`` of the registered methods whose runs stack (``fedfeat.runs.stack``)."""
+    return {name: cls.stack_loss for name, cls in REGISTRY.items() if cls.stack_loss is not None}
+
+
+def check_capabilities(cls) -> None:
+    """``register``'s check: every capability of ``cls`` has its declared type, and no class attribute of ``cls`` or
+    of its bases below ``Method`` is a misspelled capability (one or two edits away from one's name). A violation is
+    one ``FedfeatError`` line."""
+    known = set(vars(Method))  # Method's own names (hooks, name, Params, the capabilities)
+    for base in cls.__mro__:
+        if base is Method or not (isinstance(base, type) and issubclass(base, Method)):
+            continue
+        for attr in vars(base):
+            if attr.startswith("_") or attr in known:
+                continue
+            d, near = min((_edits(attr, c), c) for c in CAPABILITIES)
+            if d <= 2:
+                raise FedfeatError(
+                    f"method {cls.name}: class attribute {attr!r} of {_where(base)} is not a capability; did you "
+                    f"mean {near!r}? (capabilities: {', '.join(CAPABILITIES)})"
+                )
+    for name, value in capabilities(cls).items():
+        cap = CAPABILITIES[name]
+        if not cap.accepts(value):
+            raise FedfeatError(
+                f"method {cls.name}: capability {name} = {_show(value)} must be {cap.type_name()} ({cap.doc})"
+            )
+    if "\n" in cls.no_stack_reason:
+        raise FedfeatError(
+            f"method {cls.name}: no_stack_reason must be one line, got {_show(cls.no_stack_reason)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -199,13 +333,66 @@ class Method:
     epoch ``epoch_begin``, per step ``step_loss(ctx, params, batch, local) -> [n]`` (per-client loss; the
     engine differentiates it and steps the batched optimizer), ``local_end``; then ``aggregate``,
     ``server_update``, and ``predict`` for evaluation.
+
+    What the engine used, for the hooks of a round: ``ctx.lr_round``, the learning rate of the round's optimiser
+    (``make_optimizer(plan.rnd).lr``: a decay schedule applied; set before ``local_begin``, read it from there to
+    ``server_update``), and ``plan.local_steps  # [m]``, each client's local steps in the round (``plan.steps``
+    per epoch times ``plan.epochs``).
+
+    Capabilities (``CAPABILITIES``; ``capabilities(cls)`` lists a class's): class attributes the engine and the run
+    layer read besides the hooks, each declared below with its type, default and one line of doc. Set them as plain
+    class attributes (``needs_live_text = True``); ``register`` refuses a value of the wrong type and a misspelled
+    name. ``shardable`` and ``stack_loss`` are not inherited: a subclass declares them itself.
     """
 
     name = ""
     Params = NoParams
-    uses_labels = True
-    runs_on = "cache"
-    federated = True  # False: evaluated once, no rounds (zero-shot)
+
+    # ---- capabilities (the docstring's last paragraph): Capability(type, default, one line of doc)
+    uses_labels = Capability(bool, True, "reads training labels; False: Batch.y raises, ctx.labels is None")
+    runs_on = Capability(
+        str, "cache", "what it trains on, for `fedfeat methods` (e.g. 'cache + live text encoder')"
+    )
+    federated = Capability(
+        bool, True, "False: no rounds, evaluated once at round 0 and no weights saved (zero-shot)"
+    )
+    centralized = Capability(
+        bool, False, "the run loads the split as one client holding every sample, participation 1"
+    )
+    needs_partition = Capability(
+        bool, True, "False: reads no training data; the partition settings are ignored (zero-shot)"
+    )
+    needs_live_text = Capability(
+        bool, False, "trains through the store's frozen text encoder (ctx.live), which the run loads"
+    )
+    needs_pixels = Capability(bool, False, "reads the store's pixels through a live image encoder")
+    shardable = Capability(
+        bool, False, "torchrun may shard its clients across processes (engine.sharded_local)", inherited=False
+    )
+    benchmark_logits = Capability(
+        Callable | None, None, "(data=, glob=, store=) -> (logits, labels, dataset): its CLIP_benchmark JSON"
+    )
+    local_accuracies = Capability(
+        Callable | None,
+        None,
+        "(ctx, glob, test_y) -> per-client accuracies: per-client models score themselves",
+    )
+    stack_loss = Capability(
+        StackLoss | None, None, "its local loss in fedfeat.runs.stack's program; None: its runs are not stacked",
+        inherited=False,
+    )  # fmt: skip
+    no_stack_reason = Capability(str, "", "why its runs are not stacked (one line; stack_loss None)")
+    stack_shape = Capability(
+        tuple[str, ...],
+        ("batch_size", "local_epochs", "normalize", "templates", "renormalize_synthetic"),
+        "hyperparameters that shape the stacked data: runs stack only where these agree",
+    )
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        for name, cap in CAPABILITIES.items():  # a capability that is not inherited starts from its default
+            if not cap.inherited and name not in cls.__dict__:
+                setattr(cls, name, cap.default)
 
     def __init__(self, params):
         self.p = params
@@ -315,4 +502,20 @@ class Method:
         return glob
 
 
-__all__ = ["Method", "REGISTRY", "register", "get_method", "method_table", "param_bytes"]
+# every capability a method may declare: Method's ``Capability`` attributes, in their order
+CAPABILITIES: dict[str, Capability] = {k: v for k, v in vars(Method).items() if isinstance(v, Capability)}
+
+
+__all__ = [
+    "CAPABILITIES",
+    "Capability",
+    "Method",
+    "REGISTRY",
+    "STACK_LOSSES",
+    "capabilities",
+    "get_method",
+    "method_table",
+    "param_bytes",
+    "register",
+    "stackable",
+]

@@ -170,7 +170,12 @@ class FedCoPL(Method):
     Params = FedCoPLParams
     uses_labels = False
     needs_live_text = True
+    needs_pixels = True
     runs_on = "pixels + live image and text encoders"
+    no_stack_reason = (
+        "live image and text encoders: a step is the encoders' forward of each run's prompts; stacking would be a "
+        "larger encoder batch, not less overhead"
+    )
 
     # ------------------------------------------------------------------ set-up
     def setup(self, ctx: Context) -> None:
@@ -378,6 +383,10 @@ class CoPLLinear(LinearHead):
     Params = CoPLLinearParams
     uses_labels = False  # the engine never hands it the true labels; it trains on its own pseudo-labels
     shardable = True
+    no_stack_reason = (
+        "it trains on its own pseudo-labels, which replace the context's labels and client layout per run "
+        "(apply_selection); the stacked program and the fused kernels read one label array for all runs"
+    )
 
     def setup(self, ctx: Context) -> None:
         self.all_offsets, self.all_feats = ctx.offsets.clone(), ctx.feats

@@ -132,6 +132,7 @@ class FedDF(LinearHead):
     name = "feddf"
     Params = FedDFParams
     shardable = True  # the server step sees every client's head (aggregate), and is deterministic
+    stack_loss = "ce"  # FedAvg's local step; the ensemble distillation per run, as alone
 
     def sets(self, ctx: Context) -> dict:
         """The validation split and the distillation set (drawn once; ``ctx.cache``: derived, not checkpointed)."""

@@ -212,6 +212,10 @@ class FedCLIP(Method):
 
     name = "fedclip"
     shardable = True  # torchrun may shard its clients
+    no_stack_reason = (
+        "an adapter MLP, not a {W, b} head; its hooks read hyperparameters as scalars (self.p), so stacking would "
+        "need per-client hyperparameter tensors in fedmp.py"
+    )
     Params = FedCLIPParams
     uses_labels = True
 
@@ -272,6 +276,10 @@ class FedMP(FedCLIP):
 
     name = "fed-mp"
     shardable = True
+    no_stack_reason = (
+        "FedCLIP's adapter MLP, not a {W, b} head, with per-client residuals and a keep-if-better local validation; "
+        "its hooks read hyperparameters as scalars (self.p)"
+    )
     Params = FedMPParams
 
     def setup(self, ctx: Context) -> None:

@@ -106,6 +106,7 @@ class FedNova(LinearHead):
 
     name = "fednova"
     shardable = True  # no per-sample state; aggregate sees every client's parameters (engine.sharded_local)
+    stack_loss = "ce"  # + FedProx's term when mu > 0; its normalised aggregation per run
     Params = FedNovaParams
 
     def setup(self, ctx: Context) -> None:

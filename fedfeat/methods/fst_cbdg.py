@@ -172,6 +172,7 @@ class FSTCBDG(LinearHead):
     name = "fst-cbdg"
     Params = FSTCBDGParams
     uses_labels = False
+    stack_loss = "fst"  # per-run soft labels [R, N, K] and synthetic draws
 
     # ------------------------------------------------------------------ state
     def setup(self, ctx: Context) -> None:

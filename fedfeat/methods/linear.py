@@ -24,6 +24,7 @@ class FedAvg(LinearHead):
 
     name = "fedavg"
     shardable = True  # no per-sample state: torchrun may shard its clients (engine.sharded_local)
+    stack_loss = "ce"
 
 
 @register
@@ -32,6 +33,10 @@ class Centralized(FedAvg):
 
     name = "centralized"
     centralized = True  # the CLI loads the split as a single client holding every sample
+    no_stack_reason = (
+        "one client holding the whole split (train loads other data than the sweep's partition); its round is all "
+        "arithmetic, which stacking does not remove"
+    )
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class FedProx(LinearHead):
 
     name = "fedprox"
     shardable = True
+    stack_loss = "ce"  # + (mu / 2) ||theta - theta_g||^2, per-run mu
     Params = FedProxParams
 
     def local_begin(self, ctx, plan, glob):
@@ -71,6 +77,7 @@ class FedAvgM(FedAvg):
 
     name = "fedavgm"
     shardable = True
+    stack_loss = "ce"  # server momentum: its server_update, per run
     Params = FedAvgMParams
 
     def setup(self, ctx):
@@ -120,6 +127,7 @@ class FedNTD(LinearHead):
 
     name = "fedntd"
     shardable = True
+    stack_loss = "ntd"  # per-run tau, beta
     Params = FedNTDParams
 
     def local_begin(self, ctx, plan, glob):

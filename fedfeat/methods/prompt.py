@@ -256,6 +256,10 @@ class PromptMethod(Method):
 
     needs_live_text = True
     runs_on = "cache + live text encoder"
+    no_stack_reason = (
+        "a live encoder: a step is the text (and image) encoder's forward of each run's prompts; stacking would be a "
+        "larger encoder batch, not less overhead"
+    )
 
     def setup(self, ctx: Context) -> None:
         p = self.p

@@ -411,6 +411,7 @@ class CReFF(LinearHead):
     name = "creff"
     Params = CReFFParams
     uses_labels = True
+    stack_loss = "ce"  # the local step only; the feature synthesis and classifier re-training per run
 
     # ------------------------------------------------------------------ server state
     def setup(self, ctx: Context) -> None:
@@ -578,6 +579,7 @@ class CLIP2FL(CReFF):
 
     name = "clip2fl"
     Params = CLIP2FLParams
+    stack_loss = "kd"  # CReFF's + CLIP distillation in the local loss, per-run kd_alpha / kd_temperature
 
     def setup(self, ctx: Context) -> None:
         super().setup(ctx)

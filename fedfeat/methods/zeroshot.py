@@ -39,6 +39,7 @@ class ZeroShot(Method):
     uses_labels = False
     federated = False
     needs_partition = False  # no training data read: --partition settings are ignored (fedfeat.runs.train)
+    no_stack_reason = "no training: a run is one evaluation, nothing per round to share"
 
     def init_global(self, ctx):
         return {"W": ctx.text.clone(), "b": torch.zeros(ctx.K, device=ctx.device)}

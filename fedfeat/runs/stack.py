@@ -19,7 +19,8 @@ Stacked results equal the runs made one by one (``tests/test_stack.py``: bit for
 weights and metrics <= 1e-5 with the torch program). Each run's ``train_seconds`` is the stacked round's time
 divided by ``R``.
 
-Which methods stack (``LOCAL_LOSS``; BENCHMARKS.md "Stacked runs" measures each):
+Which methods stack: each method declares it (``Method.stack_loss``, the local loss this program runs for it, or
+``Method.no_stack_reason``; ``fedfeat methods`` shows both). BENCHMARKS.md "Stacked runs" measures each:
 
 | method | stacks | what is stacked / why not |
 |---|---|---|
@@ -33,7 +34,8 @@ Which methods stack (``LOCAL_LOSS``; BENCHMARKS.md "Stacked runs" measures each)
 | ``fedclip``, ``fed-mp`` | no | an adapter MLP, not a ``{W, b}`` head; Fed-MP keeps per-client residuals and a keep-if-better local validation; their hooks read hyperparameters as scalars (``self.p``), so the generic route (the method's own batched ``step_loss`` over virtual clients) would need per-client hyperparameter tensors in ``fedmp.py`` |
 | ``promptfl``, ``fedtpg``, ``pfedprompt``, ``fedopt``, ``fedcopl`` | no | live encoders: a step is the text / image encoder's forward per run's prompts; stacking would be a larger encoder batch, not less overhead (and the prompt modules are their own) |
 
-Runs that differ in what shapes the data (``SHAPE_KEYS``), and the methods above that do not stack, are made one
+Runs that differ in what shapes the data (``Method.stack_shape``) or in any run setting the run specification does
+not declare ``per_run`` (``fedfeat.runs.spec.stack_key``), and the methods above that do not stack, are made one
 by one (``fedfeat.runs.sweep`` groups them).
 """
 
@@ -53,38 +55,15 @@ from fedfeat.engine.data import RunData, build_context
 from fedfeat.engine.rounds import check_finite, resolve_kernel
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.fst_cbdg import synthetic_head
+from fedfeat.methods.base import stackable
 from fedfeat.methods.head import batched_linear
 from fedfeat.methods.linear import ntd_loss
 
-# the stackable methods and their local loss on the stacked torch program (the fused path runs each method's own
-# ``fused_loss``); everything else a run does (aggregation, server step, evaluation, round metrics, final weights)
-# is its own method's hook, called per run
-LOCAL_LOSS = {
-    "fedavg": "ce",
-    "fedavgm": "ce",  # server momentum: its server_update, per run
-    "fedprox": "ce",  # + (mu / 2) ||theta - theta_g||^2, per-run mu
-    "fednova": "ce",  # + FedProx's term when mu > 0; its normalised aggregation per run
-    "fedavg-tau-norm": "ce",  # FedAvg's training; the tau-normalised head evaluated per run (its predict)
-    "fedntd": "ntd",  # per-run tau, beta
-    "fed-focal": "focal",  # per-run gamma (no fused kernel: the torch program)
-    "ratio-loss": "weighted",  # per-run class weights of its monitor (torch program); the monitor per run
-    "fst-cbdg": "fst",
-    # FedAvg's local training, a server step of their own (per run, as alone): only the local step is stacked
-    "ccvr": "ce",  # + classifier calibration on virtual features
-    "feddf": "ce",  # + ensemble distillation on a server set
-    "fedbe": "ce",  # + Bayesian ensemble distillation
-    "creff": "ce",  # + federated-feature synthesis and classifier re-training (torch program)
-    "clip2fl": "kd",  # CReFF's + CLIP distillation in the local loss, per-run kd_alpha / kd_temperature
-}
-STACKABLE = tuple(LOCAL_LOSS)
-SHAPE_KEYS = ("batch_size", "local_epochs", "normalize", "templates", "renormalize_synthetic")
-
-
 def stack_key(method, extra: tuple = ()) -> tuple | None:
     """Runs with equal keys can be stacked (None: this method cannot)."""
-    if method.name not in STACKABLE:
+    if method.stack_loss is None:
         return None
-    return (method.name, *(getattr(method.p, k, None) for k in SHAPE_KEYS), *extra)
+    return (method.name, *(getattr(method.p, k, None) for k in method.stack_shape), *extra)
 
 
 def _per_run(ms, name: str, default: float = 0.0) -> torch.Tensor:
@@ -144,7 +123,7 @@ def run_stacked(
     if None in keys or len(keys) != 1:
         raise FedfeatError(
             f"runs cannot be stacked: methods {sorted({m.name for m in methods})} must be one of "
-            f"{', '.join(STACKABLE)} with equal {', '.join(SHAPE_KEYS)}"
+            f"{', '.join(stackable())} with equal {', '.join(methods[0].stack_shape)}"
         )
     parts = participation if isinstance(participation, list) else [participation] * R
     if eval_every < 1:
@@ -357,7 +336,7 @@ def _local(methods, ctxs, live, plans, globs, hp, syn_sum, fst, Qflat, N, D, rnd
     rr = _virtual([plans[r] for r in live])
     runs = torch.as_tensor(live, dtype=torch.int64)[rr.vrun]  # [V] run of each virtual client
     V = len(runs)
-    p0, kind = methods[live[0]].p, LOCAL_LOSS[methods[live[0]].name]
+    p0, kind = methods[live[0]].p, methods[live[0]].stack_loss
     B, E = p0.batch_size, p0.local_epochs
     G = {k: torch.stack([globs[r][k] for r in range(len(globs))]) for k in ("W", "b")}  # [R, ...]
     params = {k: G[k][runs].clone() for k in G}  # [V, ...]
@@ -367,6 +346,8 @@ def _local(methods, ctxs, live, plans, globs, hp, syn_sum, fst, Qflat, N, D, rnd
     mom, wd = hp["momentum"][runs], hp["weight_decay"][runs]
     scale, mu = hp["logit_scale"][runs], hp["mu"][runs]
     bufs = {k: torch.zeros_like(v) for k, v in params.items()}
+    for r in live:  # the rate this round, as the engine gives it to a run made alone (Context.lr_round)
+        ctxs[r].lr_round = opts[r].lr
     locs = {r: methods[r].local_begin(ctxs[r], plans[r], globs[r]) for r in live}
     vruns = runs.to(dev)
     prox = kind == "ce" and bool(hp["mu"][torch.as_tensor(live, device=hp["mu"].device)].any())
@@ -490,6 +471,8 @@ def _local_fused(methods, ctxs, live, plans, globs, rnd, threads, fst, Q):
     steps = rr.steps.numpy()
     S = int(steps.max()) if V else 0
     lsum, lcount = {}, {}
+    for r in live:  # the rate this round, as the engine gives it to a run made alone (Context.lr_round)
+        ctxs[r].lr_round = opts[r].lr
     locs = {r: methods[r].local_begin(ctxs[r], plans[r], globs[r]) for r in live}
     seeds = [c.seed for c in ctxs]
     if fst:
@@ -673,4 +656,4 @@ def _fst_loss(methods, ctxs, live, z, p, ib, mb, vr, syn, hp, syn_sum, Qflat, N,
     return loss + hp["lam"][vr] * torch.where(syn_sum[vr], summed, mean)
 
 
-__all__ = ["LOCAL_LOSS", "STACKABLE", "SHAPE_KEYS", "run_stacked", "stack_key"]
+__all__ = ["run_stacked", "stack_key"]
