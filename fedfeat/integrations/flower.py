@@ -36,6 +36,7 @@ import numpy as np
 from fedfeat.errors import FedfeatError
 from fedfeat.partition import stored
 from fedfeat.partition.core import Partition, from_json
+from fedfeat.partition.registry import SCHEMES
 from fedfeat.store.featurestore import FeatureStore
 
 __all__ = [  # and FedfeatPartitioner (made on first use: flwr-datasets is optional)
@@ -58,6 +59,15 @@ def _require_flwr_datasets():
             f"pip install 'fedfeat[{EXTRA}]'"
         ) from None
     return Partitioner
+
+
+def _no_test_rows(part: Partition, fix: str) -> FedfeatError:
+    """A partition without per-client test rows: the schemes that draw them are the registry's."""
+    drawing = [n for n, cls in SCHEMES.items() if cls.uses_test_labels]
+    return FedfeatError(
+        f"partition {part.scheme} has no per-client test rows (only {' / '.join(drawing)} draw them with the test "
+        f"split); {fix}, or partition with --scheme {drawing[0]}"
+    )
 
 
 def _open(store):
@@ -114,17 +124,15 @@ def _client(partition, client: int) -> int:
 def client_rows(store, partition, client: int, *, test: bool = False) -> tuple[np.ndarray, str]:
     """Client ``client``'s rows of the store's split (int64, fedfeat's client order) and that split's name.
 
-    ``test=True``: the client's local test rows of a ``dirichlet-joint`` partition (FedCoPL), in the test split."""
+    ``test=True``: the client's local test rows of a partition drawn with the test split (e.g. ``dirichlet-joint``,
+    FedCoPL), in the test split."""
     part, split = load_partition(partition, store)
     i = _client(part, client)
     if not test:
         return np.asarray(part.clients[i], dtype=np.int64), split
     tc = part.params.get("test_clients")
     if tc is None:
-        raise FedfeatError(
-            f"partition {part.scheme} has no per-client test rows (only dirichlet-joint draws them); pass "
-            "test=False, or partition with --scheme dirichlet-joint"
-        )
+        raise _no_test_rows(part, "pass test=False")
     return np.asarray(tc[i], dtype=np.int64), "test"
 
 
@@ -214,10 +222,7 @@ def _partitioner_class():
             if test:
                 tc = part.params.get("test_clients")
                 if tc is None:
-                    raise FedfeatError(
-                        f"partition {part.scheme} has no per-client test rows (only dirichlet-joint draws them); "
-                        "drop test=True, or partition with --scheme dirichlet-joint"
-                    )
+                    raise _no_test_rows(part, "drop test=True")
                 self._clients = [np.asarray(t, dtype=np.int64) for t in tc]
                 psplit = "test"
             else:

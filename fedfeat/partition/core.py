@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from fedfeat.errors import FedfeatError
+from fedfeat.partition.registry import key_parts, plain_number
 
 # ----------------------------------------------------------------------------------------- the result
 
@@ -78,32 +79,26 @@ class Partition:
         return np.flatnonzero(~held)
 
 
-def _plain(x) -> int | float:
-    """A number as the int it is, or a float (JSON-safe, and '100' not '100.0' in keys)."""
-    x = float(x)
-    return int(x) if x.is_integer() else x
+_plain = plain_number  # a number as the int it is, or a float (JSON-safe, and '100' not '100.0' in keys)
 
 
 def partition_key(partition_or_params) -> str:
-    """Short readable storage key, unique per parameter set.
+    """Short readable storage key, unique per parameter set: ``[lt<IF>+]<scheme><parts>-c<clients>-s<seed><parts>``,
+    the parts each scheme's ``key_parts`` (``fedfeat.partition.registry``; a name no scheme has: every scheme's).
 
     >>> partition_key({"scheme": "dirichlet-equal", "clients": 20, "alpha": 0.5, "imbalance_factor": 100,
     ...                "seed": 7})
     'lt100+dirichlet-equal-a0.5-c20-s7'
     """
     p = partition_or_params.params if isinstance(partition_or_params, Partition) else partition_or_params
-    key = p["scheme"]
-    if p.get("shards") is not None:
-        key += f"-sh{int(p['shards'])}"
-    if p.get("alpha") is not None:
-        key += f"-a{_plain(p['alpha'])}"
-    if p.get("shots") is not None:
-        key += f"-shot{int(p['shots'])}"
-    key += f"-c{int(p['clients'])}-s{int(p['seed'])}"
-    if p.get("min_size") is not None:  # dirichlet with a minimum other than FedNTD's 10 (make_partition)
-        key += f"-m{int(p['min_size'])}"
-    if p.get("class_order") is not None:  # disjoint-classes drawn in a preset's class order
-        key += f"-o{p['class_order']}"
+    parts = key_parts(p["scheme"])
+
+    def pieces(after: bool) -> str:
+        return "".join(
+            f"-{k.tag}{k.text(p[k.name])}" for k in parts if k.after == after and p.get(k.name) is not None
+        )
+
+    key = f"{p['scheme']}{pieces(False)}-c{int(p['clients'])}-s{int(p['seed'])}{pieces(True)}"
     if p.get("imbalance_factor") is not None:
         key = f"lt{_plain(p['imbalance_factor'])}+{key}"
     return key

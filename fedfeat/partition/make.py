@@ -1,5 +1,8 @@
 """``make_partition``: one entry point for every scheme (with an optional long tail first), each scheme's default
 seed, and local test splits that follow a training partition's class proportions (FedCoPL).
+
+The schemes are classes (``fedfeat.partition.registry``, one module each in ``fedfeat.partition.kinds``): this
+module knows none by name.
 """
 
 from __future__ import annotations
@@ -10,70 +13,58 @@ import numpy as np
 
 from fedfeat.errors import FedfeatError
 from fedfeat.partition.core import Partition, _plain
-from fedfeat.partition.schemes import (
-    CLIP2FL_SEED,
-    FEDCOPL_SEED,
-    FEDMP_SEED,
-    FEDNTD_SEED,
-    SCHEMES,
-    _int,
-    _labels,
-    _n_classes,
-    dirichlet,
-    dirichlet_equal,
-    dirichlet_joint,
-    disjoint_classes,
-    iid,
-    longtail,
-    shard,
-)
+from fedfeat.partition.registry import SCHEMES, Draw, field_kind, get_scheme, scheme_fields, schemes_using
+from fedfeat.partition.schemes import _labels, _n_classes, longtail
 
 # ----------------------------------------------------------------------------------------- composition
 
 
 def default_seed(scheme: str, imbalance_factor: float | None = None) -> int:
-    """The seed a scheme's reference code uses: CLIP2FL's 7 whenever the long tail is involved."""
-    if imbalance_factor is not None or scheme == "dirichlet-equal":
-        return CLIP2FL_SEED
-    if scheme == "disjoint-classes":
-        return FEDMP_SEED
-    if scheme == "dirichlet-joint":
-        return FEDCOPL_SEED
-    return FEDNTD_SEED
+    """The seed a scheme's reference code uses: CLIP2FL's 7 whenever the long tail is involved
+    (``Scheme.default_seed``)."""
+    return get_scheme(scheme).default_seed(imbalance_factor)
 
 
-_INTS = {"clients": "e.g. clients=10", "shards": "e.g. shards=2", "seed": "e.g. seed=0",
-         "shots": "e.g. shots=10", "n_classes": "the split's number of classes",
-         "min_size": "e.g. min_size=10"}  # fmt: skip
-_DIRICHLET_MIN = 10  # FedNTD lda_partition's `while min_size < 10` (schemes.dirichlet)
-_REALS = {"alpha": "e.g. alpha=0.5", "imbalance_factor": "e.g. imbalance_factor=100"}
+# the arguments every scheme takes; the schemes' own come with their Params fields (help, example)
+_COMMON = {"clients": (int, "e.g. clients=10"), "seed": (int, "e.g. seed=0"),
+           "n_classes": (int, "the split's number of classes"),
+           "imbalance_factor": (float, "e.g. imbalance_factor=100")}  # fmt: skip
 
 
-def _check_types(scheme, **args) -> None:
+def _check_types(scheme, given: dict) -> None:
     """``make_partition``'s arguments have their types (numpy numbers count; bools and strings do not): one
     ``FedfeatError`` line naming the argument, as the CLI's flags are typed. Ranges are the schemes' checks."""
     if not isinstance(scheme, str):
+        get_scheme(scheme)  # "scheme must be a string ..."
+    fields = scheme_fields()
+    unknown = [k for k in given if k not in _COMMON and k not in fields]
+    if unknown:
         raise FedfeatError(
-            f"scheme must be a string, got {type(scheme).__name__} {scheme!r:.60}; choose one of: {', '.join(SCHEMES)}"
+            f"unknown partition parameter {unknown[0]!r}; the scheme parameters are: {', '.join(fields)}"
         )
-    for name, v in args.items():
+    for name, v in given.items():
         if v is None:
             continue
+        if name in _COMMON:
+            kind, fix = _COMMON[name]
+        else:
+            kind, fix = field_kind(fields[name]), f"e.g. {name}={fields[name].metadata['example']}"
         is_bool = isinstance(v, (bool, np.bool_))
-        if name in _INTS and (is_bool or not isinstance(v, numbers.Integral)):
-            raise FedfeatError(f"{name} must be an integer (got {v!r:.60}); {_INTS[name]}")
-        if name in _REALS and (is_bool or not isinstance(v, numbers.Real)):
-            raise FedfeatError(f"{name} must be a number (got {v!r:.60}); {_REALS[name]}")
+        if kind is int and (is_bool or not isinstance(v, numbers.Integral)):
+            raise FedfeatError(f"{name} must be an integer (got {v!r:.60}); {fix}")
+        if kind is float and (is_bool or not isinstance(v, numbers.Real)):
+            raise FedfeatError(f"{name} must be a number (got {v!r:.60}); {fix}")
+        if kind is str and not isinstance(v, str):
+            raise FedfeatError(f"{name} must be a string (got {v!r:.60}); {fix}")
 
 
-_USES = {  # which optional parameters each scheme takes
-    "iid": (),
-    "shard": ("shards",),
-    "dirichlet": ("alpha",),
-    "dirichlet-equal": ("alpha",),
-    "disjoint-classes": ("shots",),
-    "dirichlet-joint": ("alpha",),
-}
+def _not_applicable(name: str, scheme: str) -> FedfeatError:
+    users = schemes_using(name)
+    which = f"scheme {users[0]!r}" if len(users) == 1 else "schemes " + ", ".join(map(repr, users))
+    return FedfeatError(
+        f"{name} does not apply to scheme {scheme!r} ({name} applies to {which} only); drop {name} or pick "
+        "a scheme that uses it"
+    )
 
 
 def make_partition(
@@ -81,21 +72,22 @@ def make_partition(
     scheme: str,
     *,
     clients: int,
-    alpha: float | None = None,
-    shards: int | None = None,
-    imbalance_factor: float | None = None,
     seed: int | None = None,
-    shots: int | None = None,
+    imbalance_factor: float | None = None,
     n_classes: int | None = None,
     test_labels=None,
     class_order=None,
     class_order_name: str | None = None,
-    min_size: int | None = None,
+    **scheme_params,
 ) -> Partition:
     """Partition a split by name; the one entry point the CLI and the store use.
 
-    ``dirichlet-joint`` (FedCoPL) partitions the test split with the same draws: pass its labels as
-    ``test_labels``; the clients' test positions are ``params["test_clients"]``.
+    ``scheme_params``: the scheme's own parameters (``fedfeat.partition.registry.scheme_fields()``: ``shards``,
+    ``alpha``, ``min_size``, ``shots``, ...; each scheme's ``Params`` says which it takes, their defaults and
+    their meaning). A parameter of another scheme is refused in one line, None counts as not given.
+
+    A scheme that draws the test split too (``dirichlet-joint``, FedCoPL: ``needs_test_labels``) gets its labels
+    as ``test_labels``; the clients' test positions are ``params["test_clients"]``.
 
     With ``imbalance_factor``, the split is first cut to CLIP2FL's long tail (``longtail``) and the scheme
     runs on the kept samples, in ``longtail``'s order (class-major, shuffled within a class: what CLIP2FL feeds
@@ -103,12 +95,10 @@ def make_partition(
     each from a fresh generator (as in CLIP2FL: ``np.random.seed(7)`` for the tail, ``RandomState(7)`` for the
     Dirichlet). Default seed: ``default_seed(scheme, imbalance_factor)`` (FedNTD's 19940817 for iid / shard /
     dirichlet, CLIP2FL's 7 for dirichlet-equal and for anything with a long tail, 0 for disjoint-classes).
-    ``shards`` defaults to 2 (FedNTD). ``n_classes`` defaults to ``labels.max() + 1``.
-    ``class_order`` (disjoint-classes only): the class list the draws index, a permutation of the class ids
-    (``disjoint_classes``' ``order``), recorded under ``class_order_name`` (its partition key says ``-o<name>``).
-    ``min_size`` (dirichlet only): every client must hold ``>= min_size`` samples or the whole partition is
-    redrawn (``schemes.dirichlet``); default None = FedNTD's 10. A value other than 10 is recorded in the params
-    and the partition key (``-m<N>``), so two readings never share a stored partition.
+    ``n_classes`` defaults to ``labels.max() + 1``.
+    ``class_order`` (schemes with ``takes_class_order``: disjoint-classes): the class list the draws index, a
+    permutation of the class ids (``disjoint_classes``' ``order``), recorded under ``class_order_name`` (its
+    partition key says ``-o<name>``).
 
     >>> p = make_partition(np.repeat(np.arange(10), 100), "shard", clients=10)
     >>> partition_key(p), p.sizes().tolist()[:3]
@@ -116,81 +106,37 @@ def make_partition(
     """
     _check_types(
         scheme,
-        clients=clients,
-        alpha=alpha,
-        shards=shards,
-        imbalance_factor=imbalance_factor,
-        seed=seed,
-        shots=shots,
-        n_classes=n_classes,
-        min_size=min_size,
-    )
+        {"clients": clients, "imbalance_factor": imbalance_factor, "seed": seed, "n_classes": n_classes,
+         **scheme_params},
+    )  # fmt: skip
     labels = _labels(labels)
-    if scheme not in SCHEMES:
-        hint = (
-            " (the long tail is not a scheme: pass imbalance_factor with any scheme)"
-            if scheme == "longtail"
-            else ""
-        )
-        raise FedfeatError(f"unknown partition scheme {scheme!r}{hint}; choose one of: {', '.join(SCHEMES)}")
-    given = {"alpha": alpha, "shards": shards, "shots": shots}
-    for name, value in given.items():
-        if value is not None and name not in _USES[scheme]:
-            raise FedfeatError(
-                f"{name} does not apply to scheme {scheme!r}; drop {name} or pick a scheme that uses it"
-            )
-    if min_size is not None and scheme != "dirichlet":
+    cls = get_scheme(scheme)
+    own = {f.name for f in cls.fields()}
+    for name, value in scheme_params.items():
+        if value is not None and name not in own:
+            raise _not_applicable(name, scheme)
+    params = cls.params({k: v for k, v in scheme_params.items() if k in own})
+    cls.check_inputs(imbalance_factor=imbalance_factor, test_labels=test_labels)
+    if class_order is not None and (not cls.takes_class_order or not class_order_name):
+        users = " / ".join(repr(n) for n, c in SCHEMES.items() if c.takes_class_order)
         raise FedfeatError(
-            f"min_size applies to scheme 'dirichlet' only (got scheme {scheme!r}); drop --min-size"
-        )
-    if min_size is not None:
-        min_size = _int("min_size", min_size, 0, "use --min-size 0 or more (FedNTD: 10)")
-    if scheme in ("dirichlet", "dirichlet-equal", "dirichlet-joint") and alpha is None:
-        raise FedfeatError(f"scheme {scheme!r} needs alpha; pass e.g. alpha=0.5 (smaller = more skewed)")
-    if scheme == "dirichlet-joint" and (test_labels is None or imbalance_factor is not None):
-        raise FedfeatError(
-            "scheme 'dirichlet-joint' partitions the train and test splits together: it needs the test labels "
-            "(a store with a test split) and no imbalance factor"
-        )
-    if scheme == "disjoint-classes" and shots is None:
-        raise FedfeatError("scheme 'disjoint-classes' needs shots; pass the samples per class, e.g. shots=10")
-    if class_order is not None and (scheme != "disjoint-classes" or not class_order_name):
-        raise FedfeatError(
-            "a class order applies to scheme 'disjoint-classes' only and needs a name for the partition key; "
+            f"a class order applies to scheme {users} only and needs a name for the partition key; "
             "drop it or pass class_order_name"
         )
     n_cls = _n_classes(labels, n_classes)
     if seed is None:
-        seed = default_seed(scheme, imbalance_factor)
-    if scheme == "shard" and shards is None:
-        shards = 2
+        seed = cls.default_seed(imbalance_factor)
 
     if imbalance_factor is not None:
         kept = longtail(labels, imbalance_factor, seed, n_classes=n_cls)
     else:
         kept = np.arange(len(labels), dtype=np.int64)
-    sub = labels[kept]
-    extra: dict = {}
-    if scheme == "iid":
-        parts = iid(sub, clients, seed)
-    elif scheme == "shard":
-        parts = shard(sub, clients, shards, seed)
-    elif scheme == "dirichlet":
-        minimum = _DIRICHLET_MIN if min_size is None else min_size
-        parts = dirichlet(sub, clients, alpha, seed, min_size=minimum)
-        if min_size is not None and min_size != _DIRICHLET_MIN:
-            extra["min_size"] = min_size
-    elif scheme == "dirichlet-equal":
-        parts = dirichlet_equal(sub, clients, alpha, seed, n_classes=n_cls)
-    elif scheme == "dirichlet-joint":
-        parts, tparts = dirichlet_joint(sub, _labels(test_labels), clients, alpha, seed, n_classes=n_cls)
-        extra["test_clients"] = [t.tolist() for t in tparts]
-    else:
-        parts, novel = disjoint_classes(sub, clients, shots, seed, n_classes=n_cls, order=class_order)
-        extra["novel_classes"] = novel.tolist()
-        if class_order is not None:
-            extra["class_order"] = str(class_order_name)
-            extra["class_order_ids"] = np.asarray(class_order).tolist()
+    draw = Draw(
+        labels=labels[kept], clients=clients, seed=seed, n_classes=n_cls,
+        test_labels=None if test_labels is None or not cls.uses_test_labels else _labels(test_labels),
+        class_order=class_order, class_order_name=class_order_name,
+    )  # fmt: skip
+    parts, extra = cls.draw(draw, params)
     parts = [kept[p] for p in parts]
     empty = [i for i, p in enumerate(parts) if len(p) == 0]
     if empty:
@@ -198,19 +144,21 @@ def make_partition(
             f"{scheme}: {len(empty)} of {len(parts)} clients got no samples (first: client {empty[0]}); "
             "use fewer clients"
         )
-    params = {
+    record = {  # alpha, shards and shots are in every record (None where the scheme has none), as they always were
         "scheme": scheme,
         "clients": int(clients),
-        "alpha": None if alpha is None else float(alpha),
-        "shards": None if shards is None else int(shards),
+        "alpha": None,
+        "shards": None,
         "imbalance_factor": None if imbalance_factor is None else _plain(imbalance_factor),
         "seed": int(seed),
-        "shots": None if shots is None else int(shots),
+        "shots": None,
         "n_classes": n_cls,
         "n_samples": len(labels),
-        **extra,
     }
-    return Partition(scheme, params, parts)
+    # the scheme's own parameters (in place where listed above, after the rest otherwise), then its extras
+    record.update(cls.record(params))
+    record.update(extra)
+    return Partition(scheme, record, parts)
 
 
 LOCAL_TEST = ("none", "proportional", "joint")

@@ -7,18 +7,12 @@ legacy global generator (a ``RandomState``) and python's ``random``; fedfeat dra
 checked against transcriptions of the reference functions in ``tests/reference_partitions.py``) and never
 touches the global generators.
 
-Schemes (``SCHEMES``; names follow flwr-datasets where they overlap):
-
-============================  ===================================================  =====================
-scheme                        source                                               default seed
-============================  ===================================================  =====================
-``iid``                       FedNTD ``iid_partition``                             ``FEDNTD_SEED``
-``shard``                     FedNTD ``sharding_partition``                        ``FEDNTD_SEED``
-``dirichlet``                 FedNTD ``lda_partition`` (FedML rule)                ``FEDNTD_SEED``
-``dirichlet-equal``           CLIP2FL/CReFF ``clients_indices``                    ``CLIP2FL_SEED``
-``disjoint-classes``          Fed-MP ``caltech_split_clients``                     ``FEDMP_SEED``
-(any, with imbalance factor)  CLIP2FL ``train_long_tail`` first                    ``CLIP2FL_SEED``
-============================  ===================================================  =====================
+The functions below are the algorithms; each scheme is a class in ``fedfeat.partition.kinds`` (one module each,
+``fedfeat.partition.registry.SCHEMES``, re-exported here as ``SCHEMES``) that owns its parameters, defaults and
+default seed and calls its function: ``iid`` and ``shard`` (FedNTD ``iid_partition`` / ``sharding_partition``),
+``dirichlet`` (FedNTD ``lda_partition``, the FedML rule), ``dirichlet-equal`` (CLIP2FL/CReFF ``clients_indices``),
+``disjoint-classes`` (Fed-MP ``caltech_split_clients``), ``dirichlet-joint`` (FedCoPL). Any scheme may first
+cut CLIP2FL's long tail (``longtail``, ``train_long_tail``; seed ``CLIP2FL_SEED``).
 
 FedNTD: ``Lee-Gihun/FedNTD``, ``train_tools/preprocessing/datasetter.py`` (HEAD be00ee5), seeded in
 ``main.py`` with ``np.random.seed(19940817); random.seed(19940817)``. CLIP2FL: ``shijiangming1/CLIP2FL``
@@ -50,6 +44,7 @@ import random
 import numpy as np
 
 from fedfeat.errors import FedfeatError
+from fedfeat.partition.registry import LONGTAIL_SEED, SCHEMES
 
 __all__ = [
     "CLIP2FL_SEED",
@@ -67,16 +62,8 @@ __all__ = [
     "shard",
 ]
 
-SCHEMES: tuple[str, ...] = (
-    "iid",
-    "shard",
-    "dirichlet",
-    "dirichlet-equal",
-    "disjoint-classes",
-    "dirichlet-joint",
-)
 FEDNTD_SEED = 19940817  # FedNTD main.py: np.random.seed(19940817); random.seed(19940817)
-CLIP2FL_SEED = 7  # CLIP2FL main.py: np.random.seed(7); options.py --seed 7
+CLIP2FL_SEED = LONGTAIL_SEED  # 7, CLIP2FL main.py: np.random.seed(7); options.py --seed 7
 FEDCOPL_SEED = 2  # FedCoPL run-textPT_ALL.sh: OPTIM_SEED 2 seeds the global np.random before the split
 FEDMP_SEED = 0  # Fed-MP: np.random.seed(i + 1) for client i (Caltech, Food, Flowers) = FEDMP_SEED + i + 1
 

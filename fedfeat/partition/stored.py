@@ -11,6 +11,7 @@ import numpy as np
 
 import fedfeat.partition as P
 from fedfeat.errors import FedfeatError
+from fedfeat.partition.registry import fill_defaults, get_scheme
 from fedfeat.store.featurestore import FeatureStore
 
 
@@ -28,12 +29,10 @@ def read(st: FeatureStore, key: str) -> P.Partition:
     return P.Partition.from_order_and_offsets(scheme, params, order, offsets)
 
 
-def _test_labels(st: FeatureStore) -> np.ndarray:
-    """The valid rows' labels of the store's test split (dirichlet-joint partitions it with the train split)."""
+def _test_labels(st: FeatureStore, scheme: str) -> np.ndarray:
+    """The valid rows' labels of the store's test split (for schemes that partition it with the train split)."""
     if "test" not in st.splits:
-        raise FedfeatError(
-            f"store {st.path} has no test split; dirichlet-joint partitions train and test together"
-        )
+        raise FedfeatError(f"store {st.path} has no test split; {scheme} partitions train and test together")
     lab = st.labels("test")
     return lab[lab >= 0]
 
@@ -43,46 +42,39 @@ def store_partition(
     *,
     scheme: str,
     clients: int,
-    alpha: float | None = None,
-    shards: int | None = None,
-    imbalance_factor: float | None = None,
-    shots: int | None = None,
     seed: int | None = None,
+    imbalance_factor: float | None = None,
     split: str = "train",
     save: bool = True,
     class_order=None,
     class_order_name: str | None = None,
-    min_size: int | None = None,
+    **scheme_params,
 ):
     """Make (or load, when already stored) a partition of a store's split. Returns ``(key, Partition)``.
 
+    ``scheme_params``: the scheme's own parameters (``make_partition``); those not given (None) take the scheme's
+    ``store_defaults`` (``fill_defaults``: e.g. alpha 0.1 for dirichlet, 0.5 for dirichlet-equal).
     Rows with label -1 (images skipped as unreadable at encode time) are never given to a client.
-    ``class_order`` / ``class_order_name``: disjoint-classes' class list (``make_partition``).
+    ``class_order`` / ``class_order_name``: disjoint-classes' class list (``make_partition``). A scheme that
+    draws the test split too gets the store's test labels (required: ``needs_test_labels``; when the store has a
+    test split: ``uses_test_labels``).
     """
-    if scheme not in P.SCHEMES:
-        raise FedfeatError(f"unknown partition scheme '{scheme}'; choose one of: {', '.join(P.SCHEMES)}")
-    if scheme in ("dirichlet", "dirichlet-equal", "dirichlet-joint") and alpha is None:
-        alpha = 0.5 if scheme == "dirichlet-equal" else 0.1
-    if scheme == "shard" and shards is None:
-        shards = 2
-    if scheme == "disjoint-classes" and shots is None:
-        shots = 10
+    cls = get_scheme(scheme)
+    scheme_params = fill_defaults(scheme, scheme_params)
     labels = st.labels(split)
     valid = np.flatnonzero(labels >= 0)
+    with_test = cls.needs_test_labels or (cls.uses_test_labels and split == "train" and "test" in st.splits)
     part = P.make_partition(
         labels[valid],
         scheme,
         clients=clients,
-        alpha=alpha,
-        shards=shards,
         imbalance_factor=imbalance_factor,
         seed=seed,
-        shots=shots,
         n_classes=st.n_classes,
-        test_labels=_test_labels(st) if scheme == "dirichlet-joint" else None,
+        test_labels=_test_labels(st, scheme) if with_test else None,
         class_order=class_order,
         class_order_name=class_order_name,
-        min_size=min_size,
+        **scheme_params,
     )
     if len(valid) != len(labels):  # map positions among valid rows back to split rows
         part = P.Partition(part.scheme, part.params, [valid[c] for c in part.clients])

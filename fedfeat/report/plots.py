@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import numpy as np
@@ -463,13 +462,6 @@ def plot_group_curves(groups: list[dict], path: str | Path, **kw) -> None:
 
 # --------------------------------------------------------------------------------------------- readable labels
 
-_KEY = re.compile(
-    r"^(?P<scheme>[a-z][a-z-]*?)(?:-sh(?P<shards>\d+))?(?:-a(?P<alpha>[0-9.]+(?:e[+-]?\d+)?))?"
-    r"(?:-shot(?P<shots>\d+))?-c(?P<clients>\d+)(?:-s(?P<seed>\d+))?(?:-o(?P<order>.+))?$"
-)
-_SCHEME_WORDS = {"iid": "IID", "longtail": "long-tailed", "dirichlet-equal": "Dir(α = {a}), equal sizes",
-                 "dirichlet-joint": "Dir(α = {a}) on train and test", "dirichlet": "Dir(α = {a})"}  # fmt: skip
-
 
 def readable_partition(key: str) -> str:
     """A partition key (``fedfeat.partition.core.partition_key``) in words, for panel titles:
@@ -479,44 +471,24 @@ def readable_partition(key: str) -> str:
     >>> readable_partition("lt100+shard-sh2-c10-s7")
     'LT IF=100, 2 shards per client, 10 clients'
 
-    The partition seed is named only when it is not the scheme's default (``default_seed``); a key in no known
-    format comes back unchanged."""
-    from fedfeat.partition.make import default_seed
+    The words are each scheme's (``Scheme.describe`` and its key parts, ``fedfeat.partition.registry``); the
+    partition seed is named only when it is not the scheme's default (``default_seed``); a key of a name no scheme
+    has is read with every scheme's key parts; a key in no known format comes back unchanged."""
+    from fedfeat.partition.registry import describe_generic, parse_key
 
-    rest, imb = str(key), None
-    m = re.match(r"^lt([0-9.]+(?:e[+-]?\d+)?)\+(.+)$", rest)
-    if m:
-        imb, rest = m.group(1), m.group(2)
-    k = _KEY.match(rest)
-    if not k:
+    k = parse_key(key)
+    if k is None:
         return str(key)
-    g = k.groupdict()
-    scheme = g["scheme"]
-    if scheme == "shard" and g["shards"]:
-        words = f"{g['shards']} shard{'s' if g['shards'] != '1' else ''} per client"
-    elif scheme == "disjoint-classes":
-        words = "disjoint classes" + (f", {g['shots']} shots" if g["shots"] else "")
-    elif scheme in _SCHEME_WORDS and ("{a}" not in _SCHEME_WORDS[scheme] or g["alpha"]):
-        words = _SCHEME_WORDS[scheme].format(a=g["alpha"])
-    else:
-        words = (
-            scheme
-            + (f", α = {g['alpha']}" if g["alpha"] else "")
-            + (f", {g['shots']} shots" if g["shots"] else "")
-        )
-    parts = ([f"LT IF={imb}"] if imb else []) + [
-        words,
-        f"{g['clients']} client{'s' if g['clients'] != '1' else ''}",
-    ]
-    if g["seed"] is not None:
-        try:
-            dflt = default_seed(scheme, float(imb) if imb else None)
-        except Exception:  # noqa: BLE001 - an unknown scheme: name the seed
-            dflt = None
-        if int(g["seed"]) != dflt:
-            parts.append(f"seed {g['seed']}")
-    if g["order"]:
-        parts.append(f"{g['order']} class order")
+    cls, values, imb = k["cls"], k["values"], k["imbalance_factor"]
+    before = [p for p in k["parts"] if not p.after]
+    words = cls.describe(values) if cls is not None else describe_generic(k["scheme"], before, values)
+    n = k["clients"]
+    parts = ([f"LT IF={imb}"] if imb else []) + [words, f"{n} client{'s' if n != '1' else ''}"]
+    if k["seed"] is not None:
+        dflt = None if cls is None else cls.default_seed(float(imb) if imb else None)
+        if int(k["seed"]) != dflt:
+            parts.append(f"seed {k['seed']}")
+    parts += [p.words.format(values[p.name]) for p in k["parts"] if p.after and p.name in values]
     return ", ".join(parts)
 
 

@@ -113,10 +113,7 @@ def partition_command(
     *,
     scheme: str,
     clients: int,
-    alpha: float | None,
-    shards: int | None,
     imbalance_factor: float | None,
-    shots: int | None,
     seed: int | None,
     split: str,
     stats: bool,
@@ -124,8 +121,12 @@ def partition_command(
     plot: Path | None,
     view: str = "heatmap",
     save: bool,
+    **scheme_params,
 ) -> None:
-    """``fedfeat partition``: compute, store, describe, export and plot a partition."""
+    """``fedfeat partition``: compute, store, describe, export and plot a partition.
+
+    ``scheme_params``: the scheme parameters as given (``alpha``, ``shards``, ``shots``, ...: every name of
+    ``fedfeat.partition.registry.scheme_fields()``; None = not given, the scheme's default)."""
     import fedfeat.partition as P
 
     if view not in ("heatmap", "percent", "bars"):
@@ -142,13 +143,11 @@ def partition_command(
             st,
             scheme=scheme,
             clients=clients,
-            alpha=alpha,
-            shards=shards,
             imbalance_factor=imbalance_factor,
-            shots=shots,
             seed=seed,
             split=split,
             save=save,
+            **scheme_params,
         )
     except OSError as e:
         raise storage_error(
