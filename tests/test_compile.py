@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from fedfeat.cli.app import app
 from fedfeat.runs.compile import compile_kernels, signatures
-from fedfeat.runs.train import process_age
+from fedfeat.runs.writers import process_age
 
 runner = CliRunner()
 

@@ -164,7 +164,7 @@ def test_fedmp_table_open_vocab_metric_and_na_rows(tiny_new_tables, tmp_path):
     )
     assert head[1] == (
         "setting: backbone ViT-L-14-336; 10 clients, 100 % of them per round; rounds 1 (the paper's: 2); seeds 0..1; partition: "
-        "preset caltech101, 10 shots per class; metric: novel_f1"
+        "preset caltech101, disjoint classes, 10 shots; metric: novel_f1"
     )
     assert "| dataset | CLIP-ZS (not in the paper) | FedAvg (NN) |" in md and "| Average |" in md
     assert "PromptFL, FedTPG: on live stand-ins (synthetic 32-px images" in md

@@ -25,7 +25,7 @@ from fedfeat.methods.synthesis import (
     retrain_head,
 )
 from fedfeat.partition.make import make_partition
-from fedfeat.runs.train import group_accuracy, shot_groups
+from fedfeat.runs.writers import group_accuracy, shot_groups
 from fedfeat.store.synth import SynthParams, write_synthetic_store
 
 LN3 = math.log(3)

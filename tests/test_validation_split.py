@@ -17,7 +17,7 @@ from fedfeat.engine.rounds import run_federated
 from fedfeat.errors import FedfeatError
 from fedfeat.methods import get_method
 from fedfeat.partition.make import make_partition
-from fedfeat.runs.train import _best_on_val
+from fedfeat.runs.writers import _best_on_val
 from fedfeat.store.synth import SynthParams, write_synthetic_store
 
 

@@ -16,6 +16,10 @@ from typer.core import TyperGroup
 
 from fedfeat.cli import encode as cli_encode
 from fedfeat.cli import eval as cli_eval
+from fedfeat.cli import partition as cli_partition
+from fedfeat.cli import report as cli_report
+from fedfeat.cli import reproduce as cli_reproduce
+from fedfeat.cli import sweep as cli_sweep
 from fedfeat.cli import train as cli_train
 from fedfeat.errors import FedfeatError
 
@@ -158,67 +162,6 @@ def info(
 
 
 @app.command()
-def partition(
-    store: str = typer.Argument(..., help="Store directory or fsspec URL whose split is partitioned."),
-    scheme: str = typer.Option(
-        "dirichlet",
-        help="iid | shard | dirichlet | dirichlet-equal | disjoint-classes | dirichlet-joint (FedCoPL).",
-    ),
-    clients: int = typer.Option(100, help="Number of clients."),
-    alpha: Optional[float] = typer.Option(
-        None, help="Dirichlet concentration (dirichlet, dirichlet-equal); default 0.1 / 0.5."
-    ),
-    shards: Optional[int] = typer.Option(None, help="Shards per client (shard); default 2."),
-    imbalance_factor: Optional[float] = typer.Option(
-        None, help="Long-tail the split first (CLIP2FL exp profile, class 0 head), e.g. 100."
-    ),
-    shots: Optional[int] = typer.Option(None, help="Samples per class (disjoint-classes); default 10."),
-    seed: Optional[int] = typer.Option(
-        None, help="Partition seed; default FedNTD's 19940817 (iid/shard/dirichlet) or CLIP2FL's 7."
-    ),
-    split: str = typer.Option("train", help="Split to partition."),
-    stats: bool = typer.Option(False, "--stats", help="Print per-client sample and class counts."),
-    export: Optional[Path] = typer.Option(
-        None, "--export", help="Write each client's sample indices to JSON."
-    ),
-    plot: Optional[Path] = typer.Option(
-        None, "--plot", help="Draw the client x class counts (.png, .pdf or .svg; the view: --view)."
-    ),
-    view: str = typer.Option(
-        "heatmap",
-        help="--plot's view: heatmap (counts), percent (each client's class shares) or bars (stacked).",
-    ),
-    save: bool = typer.Option(
-        True,
-        help="Store the partition under the store's partitions/ (for reuse); --no-save computes it in "
-        "memory only (works on a read-only store).",
-    ),
-) -> None:
-    """Split a store's training set into clients (FedNTD / CLIP2FL algorithms, exact)."""
-    from fedfeat.report.stores import partition_command
-    from fedfeat.store.urls import local_path
-
-    export = None if export is None else local_path(export, "--export", "a local file")
-    plot = None if plot is None else local_path(plot, "--plot", "a local file")
-    partition_command(
-        store,
-        scheme=scheme,
-        clients=clients,
-        alpha=alpha,
-        shards=shards,
-        imbalance_factor=imbalance_factor,
-        shots=shots,
-        seed=seed,
-        split=split,
-        stats=stats,
-        export=export,
-        plot=plot,
-        view=view,
-        save=save,
-    )
-
-
-@app.command()
 def models(
     all_tags: bool = typer.Option(
         False,
@@ -310,9 +253,8 @@ def compile_(
 
 
 # commands that live in their own modules (keeps this file a thin parser)
-cli_train.register(app)
-cli_encode.register(app)
-cli_eval.register(app)
+for _cmd in (cli_partition, cli_train, cli_report, cli_sweep, cli_reproduce, cli_encode, cli_eval):
+    _cmd.register(app)
 
 
 def main(argv: list[str] | None = None) -> None:

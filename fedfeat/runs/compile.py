@@ -67,7 +67,7 @@ def compile_kernels(log: Callable[[str], None] = lambda s: None) -> dict:
     from fedfeat.engine.rounds import run_federated
     from fedfeat.methods import get_method
     from fedfeat.runs.stack import run_stacked
-    from fedfeat.runs.train import compile_clock
+    from fedfeat.runs.writers import compile_clock
 
     t0 = time.perf_counter()
     box = [0.0]

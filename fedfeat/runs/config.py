@@ -19,7 +19,6 @@ import stat
 import subprocess
 import sys
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import tomllib
@@ -27,94 +26,8 @@ import tomllib
 from fedfeat.errors import FedfeatError
 from fedfeat.report import rundir
 
-DEFAULTS = {
-    "method": "fst-cbdg",
-    "store": "cache/synth-cifar10.zarr",
-    "partition": "dirichlet",
-    "alpha": None,
-    "shards": None,
-    "imbalance_factor": None,
-    "partition_seed": None,
-    "min_size": None,
-    "clients": 100,
-    "participation": 0.1,
-    "rounds": 10,
-    "seed": 0,
-    "engine": "batched",
-    "kernel": "auto",
-    "device": "auto",
-    "out": "runs",
-    "name": None,
-    "shot_thresholds": None,
-    "shots": None,
-    "local_val": None,
-    "query_val": None,
-    "store_fingerprint": None,
-    "preset": None,
-    "pretrained": None,
-    "local_test": None,
-    "val_split": None,
-    "eval_every": 1,
-    "class_order": None,
-}
-TYPES = {
-    "alpha": float,
-    "imbalance_factor": float,
-    "participation": float,
-    "shards": int,
-    "partition_seed": int,
-    "min_size": int,
-    "clients": int,
-    "rounds": int,
-    "seed": int,
-    "shots": int,
-    "eval_every": int,
-    "val_split": float,
-    "class_order": str,
-}  # every other key is a string
-# settings that do not enter a run's identity hash (the name shows them, or they say where, not what)
-NOT_IN_HASH = ("method", "store", "out", "name", "seed", "store_fingerprint", "params", "pretrained")
-
-
-@dataclass
-class RunConfig:
-    """A run's settings (``fedfeat train``'s flags); every field has the CLI's default."""
-
-    method: str = DEFAULTS["method"]
-    store: str = DEFAULTS["store"]
-    partition: str = DEFAULTS["partition"]
-    clients: int = DEFAULTS["clients"]
-    participation: float = DEFAULTS["participation"]
-    rounds: int = DEFAULTS["rounds"]
-    seed: int = DEFAULTS["seed"]
-    engine: str = DEFAULTS["engine"]
-    kernel: str = DEFAULTS["kernel"]
-    device: str = DEFAULTS["device"]
-    out: str = DEFAULTS["out"]
-    alpha: float | None = None
-    shards: int | None = None
-    imbalance_factor: float | None = None
-    partition_seed: int | None = None
-    min_size: int | None = None  # dirichlet: every client >= N or redraw (None: FedNTD's 10; 0: first draw)
-    name: str | None = None
-    shot_thresholds: str | None = None  # "many,few" counts, e.g. "1500,200" (CIFAR-10-LT) or "100,20"
-    shots: int | None = None  # disjoint-classes: samples per client class (default 10)
-    local_val: str | None = None  # open vocabulary: clients' train/validation split, paper | code | none
-    query_val: str | None = None  # open vocabulary: query set's validation part, paper | code
-    store_fingerprint: str | None = None  # a replayed config's store must have this fingerprint hash
-    preset: str | None = (
-        None  # a dataset preset (fedfeat.partition.openvocab.PRESETS): its settings, its class count checked
-    )
-    eval_every: int = DEFAULTS["eval_every"]  # evaluate at round 0, every N-th round and the last
-    local_test: str | None = None  # none | proportional | joint: per-client test splits (FedCoPL)
-    val_split: float | None = (
-        None  # fraction of each test class held out for validation (val_acc; report --best)
-    )
-    class_order: str | None = None  # disjoint-classes' class list: preset (default with --preset) | store
-    pretrained: str | None = (
-        None  # prompt methods: where the store's checkpoint is (default: where encode read it)
-    )
-    params: dict = field(default_factory=dict)  # method hyperparameters (--set key=value)
+# the settings, their defaults, types and the flat record are the run specification's (``fedfeat.runs.spec``)
+from fedfeat.runs.spec import DEFAULTS, FIELDS, TYPES, RunConfig  # noqa: E402
 
 
 def parse_sets(sets: list[str] | None) -> dict:
@@ -351,6 +264,13 @@ def resolve_config(cli: dict, config_file: str | os.PathLike | None, sets: list[
     if "store" in given:
         merged["store_fingerprint"] = None
     merged.update(given)
+    if preset is not None:  # a preset's scheme parameters go with its scheme: another --partition drops them
+        from fedfeat.partition.registry import schemes_using
+        from fedfeat.runs.spec import scheme_params
+
+        for k in scheme_params():
+            if k in base and k not in given and k not in run and merged["partition"] not in schemes_using(k):
+                merged[k] = None
     params.update(parse_sets(sets))
     if merged.get("preset") is not None and merged.get("method") == "fed-mp" and "uncertainty" not in params:
         from fedfeat.partition.openvocab import fedmp_preset_params
@@ -362,63 +282,13 @@ def resolve_config(cli: dict, config_file: str | os.PathLike | None, sets: list[
 
 
 def validate_config(cfg: RunConfig) -> None:
-    """Range checks of the run's own settings (the method checks its hyperparameters, the partition its own)."""
+    """Range checks of the run's own settings (``fedfeat.runs.spec.validate``: each setting's declared check; a
+    scheme parameter with a scheme that does not take it), and the run's name. The settings a run only reads once
+    training starts are checked here too, so that a sweep or grid file with a bad value fails before its first run
+    (one line, exit 2), not as a failed run. The method checks its hyperparameters, the partition its own."""
+    from fedfeat.runs import spec
 
-    def bad(flag: str, what: str) -> None:
-        raise FedfeatError(f"--{flag.replace('_', '-')} {what}")
-
-    if cfg.clients < 1:
-        bad("clients", f"must be >= 1, got {cfg.clients}")
-    if not (math.isfinite(cfg.participation) and 0 < cfg.participation <= 1):
-        bad("participation", f"must be in (0, 1], got {cfg.participation} (e.g. 0.1 for 10 % of the clients)")
-    if cfg.rounds < 0:
-        bad("rounds", f"must be >= 0, got {cfg.rounds}")
-    if cfg.eval_every < 1:
-        bad("eval_every", f"must be >= 1, got {cfg.eval_every} (1: evaluate every round)")
-    # the settings a run only reads once training starts: refused here, so that a sweep or grid file with a bad
-    # value fails before its first run (one line, exit 2), not as a failed run
-    if cfg.engine not in ("batched", "loop"):
-        bad("engine", f"must be batched or loop, got {cfg.engine!r}")
-    from fedfeat.engine.rounds import KERNELS
-
-    if cfg.kernel not in KERNELS:
-        bad("kernel", f"must be one of {', '.join(KERNELS)}, got {cfg.kernel!r}")
-    dev = str(cfg.device)
-    if dev not in ("auto", "cpu", "cuda") and not (dev.startswith("cuda:") and dev[5:].isdigit()):
-        bad("device", f"must be auto, cpu, cuda or cuda:N, got {cfg.device!r}")
-    from fedfeat.partition.schemes import SCHEMES
-
-    if cfg.partition not in SCHEMES:
-        bad("partition", f"must be one of {', '.join(SCHEMES)}, got {cfg.partition!r}")
-    if cfg.alpha is not None and not (math.isfinite(cfg.alpha) and cfg.alpha > 0):
-        bad("alpha", f"must be a finite number > 0, got {cfg.alpha} (e.g. 0.1 or 0.5)")
-    if cfg.imbalance_factor is not None and not (
-        math.isfinite(cfg.imbalance_factor) and cfg.imbalance_factor >= 1
-    ):
-        bad("imbalance_factor", f"must be a finite number >= 1, got {cfg.imbalance_factor} (e.g. 100)")
-    if cfg.val_split is not None and not (math.isfinite(cfg.val_split) and 0 <= cfg.val_split < 1):
-        bad(
-            "val_split",
-            f"must be in [0, 1), got {cfg.val_split} (e.g. 0.2: 20 % of each test class validates)",
-        )
-    if cfg.shards is not None and cfg.shards < 1:
-        bad("shards", f"must be >= 1, got {cfg.shards}")
-    if cfg.min_size is not None and cfg.min_size < 0:
-        bad("min_size", f"must be >= 0, got {cfg.min_size} (FedNTD: 10; 0 accepts the first draw)")
-    if cfg.min_size is not None and cfg.partition != "dirichlet":
-        bad("min_size", f"applies to --partition dirichlet only (got {cfg.partition}); drop --min-size")
-    if cfg.shots is not None and cfg.shots < 1:
-        bad("shots", f"must be >= 1, got {cfg.shots} (Fed-MP: 10)")
-    from fedfeat.partition.openvocab import check_modes
-
-    check_modes(cfg.local_val or "paper", cfg.query_val or "paper")
-    from fedfeat.partition.openvocab import class_order_mode
-
-    class_order_mode(cfg.class_order, cfg.preset)
-    from fedfeat.partition.make import LOCAL_TEST
-
-    if (cfg.local_test or "none") not in LOCAL_TEST:
-        bad("local_test", f"must be one of {', '.join(LOCAL_TEST)}, got {cfg.local_test!r}")
+    spec.validate(cfg)
     if cfg.name is not None:
         rundir.check_name(cfg.name)
 
@@ -436,8 +306,9 @@ def _toml_value(v) -> str:
 def config_toml(cfg: RunConfig, method_params: dict) -> str:
     """The resolved configuration as TOML (``None`` values are left out: TOML has no null)."""
     lines = ["# fedfeat run configuration; replay with: fedfeat train --config THIS_FILE", "[run]"]
-    for k, v in dataclasses.asdict(cfg).items():
-        if k == "params" or v is None:
+    for k in FIELDS:
+        v = getattr(cfg, k)
+        if v is None:
             continue
         lines.append(f"{k} = {_toml_value(v)}")
     lines.append("")
@@ -451,11 +322,9 @@ def config_toml(cfg: RunConfig, method_params: dict) -> str:
 def settings_hash(cfg: RunConfig, method_params: dict, method_defaults: dict) -> str:
     """8 hex digits of a sha256 over the settings that differ from the defaults (run settings other than those
     the name shows, method hyperparameters) and the store's fingerprint: stable across replays."""
-    run = {
-        k: v
-        for k, v in dataclasses.asdict(cfg).items()
-        if k not in NOT_IN_HASH and v is not None and v != DEFAULTS.get(k)
-    }
+    from fedfeat.runs.spec import hashed
+
+    run = hashed(cfg)
     params = {k: v for k, v in method_params.items() if method_defaults.get(k, v) != v}
     blob = json.dumps(
         {"run": run, "params": params, "store": cfg.store_fingerprint}, sort_keys=True, default=str

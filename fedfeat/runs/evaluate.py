@@ -41,7 +41,7 @@ def evaluate_run(
     from fedfeat.partition import make_partition
     from fedfeat.report import clipbench
     from fedfeat.runs.config import resolve_config
-    from fedfeat.runs.train import write_results
+    from fedfeat.runs.writers import write_results
     from fedfeat.store.featurestore import FeatureStore
 
     run = Path(run)
@@ -51,7 +51,7 @@ def evaluate_run(
     method = get_method(cfg.method, cfg.params)
     # as fedfeat.runs.train: a method that trains nothing (zeroshot) saves no weights; its model on the target
     # store is its init_global there (the target's class text features)
-    trained = method.federated or getattr(method, "centralized", False)
+    trained = method.federated or method.centralized
     if trained and not (run / "weights.safetensors").is_file():
         raise FedfeatError(f"run {run} has no weights.safetensors: there is no trained model to evaluate")
     dev = torch.device(device)
@@ -83,7 +83,7 @@ def evaluate_run(
     y_all = np.asarray(st.labels("train"))
     part = make_partition(y_all, "iid", clients=1)
     data = load_run_data(st, part, device=dev)
-    if getattr(method, "needs_live_text", False):
+    if method.needs_live_text:
         from fedfeat.encoders.live import load_live_text
 
         data.live = load_live_text(st, device=dev, pretrained=cfg.pretrained)

@@ -327,8 +327,7 @@ def _needs(method: str) -> tuple[bool, bool]:
     cls = REGISTRY.get(method)
     if cls is None:
         raise FedfeatError(f"table row method '{method}' is not registered; known: {', '.join(REGISTRY)}")
-    live = bool(getattr(cls, "needs_live_text", False))
-    pixels = bool(getattr(cls, "needs_pixels", "pixels" in str(getattr(cls, "runs_on", ""))))
+    live, pixels = cls.needs_live_text, cls.needs_pixels
     return live, pixels
 
 
@@ -420,7 +419,9 @@ def points(
                 settings = {**fixed, **col.settings, **row.settings, "method": row.method, "seed": s,
                             "store": str(_store(row, col, stores, live_stores)), "out": str(out)}  # fmt: skip
                 if row.once_per_dataset and "partition" not in row.settings:
-                    settings.update({"partition": "iid", "alpha": None, "shards": None})
+                    from fedfeat.runs.spec import scheme_params
+
+                    settings.update({"partition": "iid", **dict.fromkeys(scheme_params())})
                     settings.pop("imbalance_factor", None)
                 settings = {k: v for k, v in settings.items() if v is not None}
                 idx.append(len(pts))
@@ -449,16 +450,24 @@ def _values(table: Table, key: str) -> list:
 
 
 def _partition_text(table: Table) -> str:
+    """Each column's partition in the registry's words (``Scheme.describe``), e.g. ``Dir(α = 0.1)``."""
+    from fedfeat.partition.openvocab import PRESET_RUN
+    from fedfeat.partition.registry import fill_defaults, get_scheme
+    from fedfeat.runs.spec import scheme_params
+
     parts = []
     for col in table.columns:
         st = {**table.fixed, **col.settings}
-        kind = st.get("preset") and f"preset {st['preset']}" or st.get("partition", "iid")
-        if st.get("alpha") is not None:
-            kind += f" alpha={st['alpha']:g}"
-        if st.get("shots") is not None:
-            kind += f", {st['shots']} shots per class"
-        if st.get("shards") is not None:
-            kind += f" s={st['shards']}"
+        if st.get("preset"):
+            st = {**PRESET_RUN, **st}
+        scheme = st.get("partition", "iid")
+        given = fill_defaults(scheme, {k: st.get(k) for k in scheme_params() if st.get(k) is not None})
+        values = {k: f"{v:g}" if isinstance(v, float) else str(v) for k, v in given.items()}
+        cls = get_scheme(scheme)
+        after = [p.words.format(values[p.name]) for p in cls.key_parts if p.after and p.name in values]
+        kind = ", ".join([cls.describe(values), *after])
+        if st.get("preset"):
+            kind = f"preset {st['preset']}, {kind}"
         if st.get("imbalance_factor") is not None:
             kind = f"long-tailed IF={st['imbalance_factor']:g}, " + kind
         parts.append(kind)

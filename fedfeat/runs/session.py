@@ -162,18 +162,17 @@ class Session:
 
 def signatures(cfg: RunConfig) -> dict[str, tuple]:
     """Each cached item's signature for a run: computed from its config alone, before any store is opened; two
-    runs that can share an entry have the same signature (``Session`` docstring)."""
+    runs that can share an entry have the same signature (``Session`` docstring). Derived from the run
+    specification: every setting declared to key a cache (``fedfeat.runs.spec.cache_key``) is in its signature."""
+    from fedfeat.runs.spec import cache_key
     from fedfeat.store.urls import canonical_store
 
     where = canonical_store(cfg.store)
-    part = (where, cfg.partition, cfg.clients, cfg.alpha, cfg.shards, cfg.imbalance_factor, cfg.shots,
-            cfg.partition_seed, cfg.class_order, cfg.preset)  # fmt: skip
-    load = (str(cfg.device), cfg.local_val, cfg.query_val, cfg.local_test, cfg.val_split)
     return {
-        "stores": ("store", where),
-        "partitions": ("partition", *part),
-        "data": ("data", *part, *load),
-        "live": ("live", where, str(cfg.device), cfg.pretrained),
+        "stores": cache_key(cfg, "store", where),
+        "partitions": cache_key(cfg, "partition", where),
+        "data": cache_key(cfg, "data", where),
+        "live": cache_key(cfg, "live", where),
     }
 
 
@@ -248,25 +247,19 @@ def run_partition(store, cfg: RunConfig, save: bool):
     order = None  # disjoint-classes drawn in the preset's class order (--class-order preset)
     if cfg.partition == "disjoint-classes" and class_order_mode(cfg.class_order, cfg.preset) == "preset":
         order = preset_class_order(cfg.preset, store.class_names)
-    ck = (str(store.path), cfg.partition, cfg.clients, cfg.alpha, cfg.shards, cfg.imbalance_factor, cfg.shots,
-          cfg.partition_seed, None if order is None else cfg.preset, cfg.min_size)  # fmt: skip
+    ck = signatures(cfg)["partitions"]
     if sess is not None and ck in sess.partitions:
         key, part = sess.partitions[ck]
         sess._tag("partitions", ck, cfg)
     else:
+        from fedfeat.runs.spec import partition_args
+
         key, part = stored_partition.store_partition(
             store,
-            scheme=cfg.partition,
-            clients=cfg.clients,
-            alpha=cfg.alpha,
-            shards=cfg.shards,
-            imbalance_factor=cfg.imbalance_factor,
-            shots=cfg.shots,
-            seed=cfg.partition_seed,
+            **partition_args(cfg),
             save=False,
             class_order=order,
             class_order_name=None if order is None else cfg.preset,
-            min_size=cfg.min_size,
         )
         if sess is not None:
             sess.partitions[ck] = (key, part)
@@ -293,7 +286,7 @@ def run_data(store, part, key: str, cfg: RunConfig, device, centralized: bool):
     sess = active()
     lv, qv, lt = cfg.local_val or "paper", cfg.query_val or "paper", cfg.local_test or "none"
     vs = cfg.val_split or 0.0
-    ck = (str(store.path), key, str(device), centralized, lv, qv, lt, vs)
+    ck = (signatures(cfg)["data"], key, str(device), centralized)
     if sess is not None and ck in sess.data:
         sess._tag("data", ck, cfg)
         return sess.data[ck]
@@ -313,7 +306,7 @@ def live_text(store, cfg: RunConfig, device):
     from fedfeat.encoders.live import load_live_text
 
     sess = active()
-    ck = (str(store.path), str(device), cfg.pretrained)
+    ck = (signatures(cfg)["live"], str(device))
     if sess is not None and ck in sess.live:
         sess._tag("live", ck, cfg)
         return sess.live[ck]

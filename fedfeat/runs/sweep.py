@@ -27,9 +27,10 @@ partitions with their own parameters::
     alpha = 0.1
 
 **Stacking** (default; ``fedfeat sweep --no-stack`` turns it off): the pending runs of a stackable method
-(``fedfeat.runs.stack.STACKABLE``: the linear heads and their baselines, FST-CBDG, CReFF / CLIP2FL, CCVR, FedDF,
-FedBE; ``fedfeat.runs.stack``'s table says which do not and why) that read the same data -- same store, partition, batch size, local epochs,
-rounds, kernel, output -- are made as one batched program along a run axis (``fedfeat.runs.stack``): their seeds,
+(``Method.stack_loss``, ``fedfeat methods``: the linear heads and their baselines, FST-CBDG, CReFF / CLIP2FL, CCVR, FedDF,
+FedBE; the others say why not, ``Method.no_stack_reason``) that agree on every run setting the run specification
+does not declare ``per_run`` (``fedfeat.runs.spec.stack_key``: only seed, participation, name and output directory
+may differ) and on the hyperparameters that shape the data (``Method.stack_shape``) are made as one batched program along a run axis (``fedfeat.runs.stack``): their seeds,
 participation and hyperparameters may differ. Each still gets its own ordinary run directory with what the same
 run made alone gives (``tests/test_stack.py``: bit for bit with the fused CPU kernels, <= 1e-5 with the torch
 program); its ``summary.json`` says ``stacked_runs`` (its ``seconds`` are its share of the stack's). Other runs

@@ -1,0 +1,62 @@
+"""CLI options generated from the run specification (``fedfeat.runs.spec``): ``train``, ``sweep`` and ``partition``
+take every setting the specification declares, with its help, and nothing is listed by hand.
+
+``settings_options(kind)`` decorates a typer command whose function takes ``settings: dict``; the decorated
+command gets one ``--flag`` per setting (``kind="train"``: one typed value; ``kind="sweep"``: comma-separated
+values, a grid axis) and receives the given ones (``None`` = not given) in ``settings``."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Optional
+
+import typer
+
+
+def _options(kind: str, keys, rename: dict) -> list[inspect.Parameter]:
+    from fedfeat.runs.spec import FIELDS
+
+    out = []
+    for k in keys:
+        f = FIELDS[k]
+        flag = "--" + rename.get(k, k).replace("_", "-")
+        if kind == "sweep":
+            head = f.help.split(" Default")[0].rstrip(".")
+            ints = " or a range (0-4)" if f.type is int else ""
+            help_ = f"{head}. Comma-separated values{ints}: each is a grid axis."
+            typ = Optional[str]
+        else:
+            help_, typ = f.help, Optional[f.type]
+        opt = typer.Option(None, flag, help=help_, metavar=f.metavar)
+        out.append(inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=typ))
+    return out
+
+
+def settings_options(kind: str, *, keys=None, rename: dict | None = None):
+    """Add the specification's settings as options to a command taking ``settings``: ``kind`` ``train`` (every
+    setting), ``sweep`` (every sweepable one, as value lists); ``keys`` picks some (in the specification's order),
+    ``rename`` gives some another flag (``{"partition_seed": "seed"}``: ``--seed``)."""
+    from fedfeat.runs.spec import FIELDS, SWEEPABLE
+
+    chosen = [k for k in (SWEEPABLE if kind == "sweep" else FIELDS) if keys is None or k in keys]
+
+    def deco(fn):
+        sig = inspect.signature(fn, eval_str=True)
+        own = [p for p in sig.parameters.values() if p.name != "settings"]
+        clash = {p.name for p in own} & set(chosen)
+        if clash:
+            raise RuntimeError(f"{fn.__name__}: options {sorted(clash)} are run settings already")
+
+        @functools.wraps(fn)
+        def command(**kw):
+            settings = {k: kw.pop(k) for k in chosen}
+            return fn(settings=settings, **kw)
+
+        params = own + _options(kind, chosen, rename or {})
+        command.__signature__ = sig.replace(parameters=params)
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        del command.__wrapped__  # typer reads the new signature, not fn's
+        return command
+
+    return deco

@@ -1,0 +1,102 @@
+"""``fedfeat report`` (compare finished runs) and ``fedfeat methods`` (the registered methods): parse, call one
+library function."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def methods() -> None:
+    """List the registered methods, whether they read labels, what they run on, their kernels, defaults."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from fedfeat.methods import method_table
+
+    t = Table(title="methods", show_lines=True)
+    for c in ("name", "labels", "runs on", "kernels", "what", "defaults (--set key=value)"):
+        t.add_column(c, overflow="fold")
+    for r in method_table():
+        d = " ".join(f"{k}={v}" for k, v in r["defaults"].items())
+        t.add_row(r["name"], r["labels"], r["runs_on"], r["kernels"], r["summary"], d)
+    Console(width=160).print(t)
+
+
+def report(
+    runs: list[Path] = typer.Argument(..., help="Run directories (or parents of run directories)."),
+    fmt: str = typer.Option("markdown", "--format", help="markdown, csv or json (plain numbers)."),
+    plot: Optional[Path] = typer.Option(
+        None,
+        help="Draw the runs into this figure (.pdf, .svg or .png; TrueType fonts): one panel per partition, "
+        "one mean ± std curve per setting over its seeds, the zero-shot level dashed.",
+    ),
+    kind: str = typer.Option(
+        "curves",
+        help="--plot's figure: curves (--metric per round) or clients (each client's accuracy, sorted).",
+    ),
+    metric: str = typer.Option(
+        "test_acc",
+        help="--plot curves: the per-round value of metrics.jsonl to draw (test_acc, local_acc, ...).",
+    ),
+    size: Optional[str] = typer.Option(
+        None,
+        help="--plot for print: one-column (3.3 in wide) or two-column (7 in), fonts sized to match.",
+    ),
+    all_runs: bool = typer.Option(
+        False, "--all", help="Also list unfinished runs (interrupted or running) and how to resume them."
+    ),
+    seeds: bool = typer.Option(
+        False,
+        "--seeds",
+        help="One row per group of runs that differ only in --seed: mean ± std (sample, n - 1) and n.",
+    ),
+    best: bool = typer.Option(
+        False,
+        "--best",
+        help="Per method and partition, only the settings with the best mean: on val_acc where runs record a "
+        "validation accuracy, else on the test split's final accuracy (the table says which).",
+    ),
+    memory: bool = typer.Option(
+        False,
+        "--memory",
+        help="The per-run table also shows each run's measured memory in GB: its process's peak RSS so far, "
+        "its RSS at the end, on CUDA its peak device memory (summary.json: peak_rss_bytes, rss_bytes_at_end, "
+        "peak_device_bytes; --format json always has them).",
+    ),
+) -> None:
+    """Compare finished runs: a table (markdown/CSV) and one plot with all curves.
+
+    Unreadable runs are skipped with a warning; the exit status is non-zero only when none is readable."""
+    from fedfeat.report.tables import report as make_report
+    from fedfeat.store.urls import local_path
+
+    for r in runs:  # run directories are local: a URL is refused, never read as a folder named 'memory:'
+        local_path(r, "report", "local run directories")
+    if plot is not None:
+        plot = local_path(plot, "--plot", "a local file")
+    warn = lambda msg: typer.echo(msg, err=True)  # noqa: E731
+    typer.echo(
+        make_report(
+            runs,
+            fmt=fmt,
+            plot=plot,
+            all_runs=all_runs,
+            seeds=seeds,
+            best=best,
+            warn=warn,
+            metric=metric,
+            size=size,
+            kind=kind,
+            memory=memory,
+        )  # fmt: skip
+    )
+    if plot is not None:  # csv / json: on stderr, stdout stays one parseable document
+        typer.echo(f"plot: {plot}", err=fmt != "markdown")
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(methods)
+    app.command()(report)
