@@ -59,7 +59,7 @@ demo: synth ## the main job on the built-in default: synthetic store, FST-CBDG v
 bench: install ## run bench/ and write BENCHMARKS.md
 	$(PY) bench/run_all.py
 
-IDENTITY_BASE ?= a0ed124
+IDENTITY_BASE ?= b234b95
 identity: install ## the same commands and seeds give the same run directories as $(IDENTITY_BASE) (every method; ~5 min)
 	$(PY) scripts/check_identity.py --base $(IDENTITY_BASE)
 

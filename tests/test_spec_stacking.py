@@ -1,6 +1,6 @@
 """Stacked = one by one, over every setting a sweep can vary (generated from the run specification).
 
-``fedfeat.runs.spec`` declares each setting with ``examples``: values a sweep may vary it to, with the ``context`` it
+``fedfeat.spec`` declares each setting with ``examples``: values a sweep may vary it to, with the ``context`` it
 needs (a scheme parameter: its scheme). This test makes one grid: a base run, and for every sweepable setting and
 each of its examples one run that differs from the base in that setting alone (plus its context); the base also
 at a second seed, so that it stacks. The grid is made once stacked (the default) and once with ``stack=False``; every run directory's metrics and
@@ -23,8 +23,8 @@ import torch
 from helpers_clip import run_cli
 from safetensors.torch import load_file
 
-from fedfeat.runs.spec import DEFAULTS, FIELDS, SWEEPABLE
 from fedfeat.runs.sweep import run_sweep
+from fedfeat.spec import DEFAULTS, FIELDS, SWEEPABLE
 
 BASE = {"clients": 10, "participation": 0.3, "rounds": 2, "partition": "dirichlet", "alpha": 0.3}
 FIXTURE = ("store", "preset")  # the values are stores this test builds
@@ -78,7 +78,7 @@ def variants(method: str, stores: dict) -> list[tuple[str, dict]]:
 
 def test_every_sweepable_setting_has_examples():
     missing = [k for k in SWEEPABLE if not FIELDS[k].examples and k not in FIXTURE]
-    assert not missing, f"declare examples for {missing} in fedfeat.runs.spec (the stacking test varies them)"
+    assert not missing, f"declare examples for {missing} in fedfeat.spec (the stacking test varies them)"
     for k in SWEEPABLE:
         for v in FIELDS[k].examples:
             assert v != DEFAULTS[k] or k in ("clients",), (k, v)

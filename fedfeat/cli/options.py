@@ -1,4 +1,4 @@
-"""CLI options generated from the run specification (``fedfeat.runs.spec``): ``train``, ``sweep`` and ``partition``
+"""CLI options generated from the run specification (``fedfeat.spec``): ``train``, ``sweep`` and ``partition``
 take every setting the specification declares, with its help, and nothing is listed by hand.
 
 ``settings_options(kind)`` decorates a typer command whose function takes ``settings: dict``; the decorated
@@ -15,13 +15,15 @@ import typer
 
 
 def _options(kind: str, keys, rename: dict) -> list[inspect.Parameter]:
-    from fedfeat.runs.spec import FIELDS
+    from fedfeat.spec import FIELDS
 
     out = []
     for k in keys:
         f = FIELDS[k]
         flag = "--" + rename.get(k, k).replace("_", "-")
-        if kind == "sweep":
+        if kind == "sweep" and f.sweep == "fixed":
+            help_, typ = f"{f.help} One value for every run of the sweep.", Optional[f.type]
+        elif kind == "sweep":
             head = f.help.split(" Default")[0].rstrip(".")
             ints = " or a range (0-4)" if f.type is int else ""
             help_ = f"{head}. Comma-separated values{ints}: each is a grid axis."
@@ -29,17 +31,18 @@ def _options(kind: str, keys, rename: dict) -> list[inspect.Parameter]:
         else:
             help_, typ = f.help, Optional[f.type]
         opt = typer.Option(None, flag, help=help_, metavar=f.metavar)
-        out.append(inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=typ))
+        out.append(inspect.Parameter(k, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=opt, annotation=typ))
     return out
 
 
 def settings_options(kind: str, *, keys=None, rename: dict | None = None):
     """Add the specification's settings as options to a command taking ``settings``: ``kind`` ``train`` (every
-    setting), ``sweep`` (every sweepable one, as value lists); ``keys`` picks some (in the specification's order),
+    setting), ``sweep`` (every sweepable one, as value lists; a ``"fixed"`` one as one value); ``keys`` picks some (in the specification's order),
     ``rename`` gives some another flag (``{"partition_seed": "seed"}``: ``--seed``)."""
-    from fedfeat.runs.spec import FIELDS, SWEEPABLE
+    from fedfeat.spec import FIELDS, SWEEP_FIXED, SWEEPABLE
 
-    chosen = [k for k in (SWEEPABLE if kind == "sweep" else FIELDS) if keys is None or k in keys]
+    every = [k for k in FIELDS if k in SWEEPABLE or k in SWEEP_FIXED] if kind == "sweep" else list(FIELDS)
+    chosen = [k for k in every if keys is None or k in keys]
 
     def deco(fn):
         sig = inspect.signature(fn, eval_str=True)
@@ -53,7 +56,10 @@ def settings_options(kind: str, *, keys=None, rename: dict | None = None):
             settings = {k: kw.pop(k) for k in chosen}
             return fn(settings=settings, **kw)
 
-        params = own + _options(kind, chosen, rename or {})
+        # arguments first, then the run settings, then the command's own options (the order --help lists them)
+        args = [p for p in own if type(p.default).__name__ == "ArgumentInfo"]
+        rest = [p for p in own if p not in args]
+        params = args + _options(kind, chosen, rename or {}) + rest
         command.__signature__ = sig.replace(parameters=params)
         command.__annotations__ = {p.name: p.annotation for p in params}
         del command.__wrapped__  # typer reads the new signature, not fn's

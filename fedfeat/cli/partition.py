@@ -13,7 +13,7 @@ from fedfeat.cli.options import settings_options
 
 
 def _partition_keys() -> list[str]:
-    from fedfeat.runs.spec import FIELDS
+    from fedfeat.spec import FIELDS
 
     return [k for k, f in FIELDS.items() if f.part == "partition"]
 
@@ -42,7 +42,7 @@ def partition(
 ) -> None:
     """Split a store's training set into clients (FedNTD / CLIP2FL / Fed-MP / FedCoPL algorithms, exact)."""
     from fedfeat.report.stores import partition_command
-    from fedfeat.runs.spec import DEFAULTS, partition_args
+    from fedfeat.spec import DEFAULTS, partition_args
     from fedfeat.store.urls import local_path
 
     given = {

@@ -67,8 +67,12 @@ def sweep(
     from fedfeat.runs.config import TYPES
 
     kw = sw.read_grid(grid) if grid is not None else {"grid": {}, "params": {}, "fixed": {}}
+    from fedfeat.spec import SWEEP_FIXED
+
     for k, v in settings.items():
-        if v is not None:
+        if v is not None and k in SWEEP_FIXED:  # one value for every run (e.g. --pretrained)
+            kw["fixed"][k] = v
+        elif v is not None:
             kw["grid"][k] = sw.parse_values(k, v, TYPES.get(k, str))
     for s in set_ or []:
         if "=" not in s:

@@ -232,3 +232,23 @@ def worst_client_acc(run_dir, frac: float = 0.1) -> float | None:
     if not len(last):
         return None
     return float(last[: max(1, int(np.ceil(frac * len(last))))].mean())
+
+
+def run_settings(summary: dict, path=None) -> dict:
+    """What makes the run's setting in a seed table (``fedfeat.spec.group_items``: every setting but the seed, and
+    the hyperparameters): from its ``config.toml`` when ``path`` has a readable one (every setting as the run
+    resolved it), else from the keys its ``summary.json`` holds (the others at their defaults)."""
+    import tomllib
+
+    from fedfeat.spec import FIELDS, group_items
+
+    run, params = None, summary.get("params") or {}
+    if path is not None:
+        try:
+            data = tomllib.loads(read_regular(Path(path) / "config.toml"))
+            run, params = data.get("run"), data.get("params", params)
+        except (FedfeatError, ValueError, OSError):
+            run = None
+    if not isinstance(run, dict) or not isinstance(params, dict):
+        run, params = {k: v for k, v in summary.items() if k in FIELDS}, summary.get("params") or {}
+    return group_items(run, params)

@@ -218,15 +218,13 @@ METRIC_LABELS = {
 }
 _LINESTYLES = {"test_acc": "-", "many_acc": "-", "medium_acc": "--", "few_acc": ":", "local_acc": "-."}
 
-# the run settings that identify a group (everything but the seed); params are flattened as params.<key>
-GROUP_KEYS = ("method", "partition", "store_fingerprint", "rounds", "clients", "participation")
 
+def _setting_items(summary: dict, path=None) -> dict:
+    """The run's setting (``fedfeat.report.load.run_settings``: everything but the seed, params as
+    ``params.<key>``)."""
+    from fedfeat.report.load import run_settings
 
-def _setting_items(summary: dict) -> dict:
-    items = {k: summary.get(k) for k in GROUP_KEYS}
-    for k, v in sorted((summary.get("params") or {}).items()):
-        items[f"params.{k}"] = v
-    return items
+    return run_settings(summary, path)
 
 
 def _fmt(v) -> str:
@@ -244,8 +242,11 @@ def seed_groups(runs, metric: str | list[str] = "test_acc", panel_key: str = "pa
     metrics = [metric] if isinstance(metric, str) else list(metric)
     order: list = []
     by_key: dict = {}
-    for summary, rows in runs:
-        items = _setting_items(summary)
+    for (
+        run
+    ) in runs:  # (summary, rows) or (summary, rows, run directory): its config.toml then names the setting
+        summary, rows = run[0], run[1]
+        items = _setting_items(summary, run[2] if len(run) > 2 else None)
         key = tuple((k, repr(v)) for k, v in items.items())
         if key not in by_key:
             by_key[key] = {"items": items, "members": []}

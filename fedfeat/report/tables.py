@@ -76,13 +76,13 @@ def report(
         if plot is not None:
             seed_figure(runs, plot, metric=metric, size=size, kind=kind)
         if fmt == "json":  # one valid JSON document: the selection rule is a field
-            groups = json.loads(seed_table([s for s, _, _ in runs], fmt))
+            groups = json.loads(seed_table([s for s, _, _ in runs], fmt, _settings(runs)))
             return json.dumps({"selection": note, "selected_on": on, "groups": groups}, indent=1)
-        return note + "\n\n" + seed_table([s for s, _, _ in runs], fmt)
+        return note + "\n\n" + seed_table([s for s, _, _ in runs], fmt, _settings(runs))
     if seeds:
         if plot is not None:
             seed_figure(runs, plot, metric=metric, size=size, kind=kind)
-        return seed_table([s for s, _, _ in runs], fmt)
+        return seed_table([s for s, _, _ in runs], fmt, _settings(runs))
     if plot is not None:  # before any return: --plot always writes its file
         seed_figure(runs, plot, metric=metric, size=size, kind=kind)
     if fmt == "json":  # the runs' summaries, plain numbers
@@ -178,17 +178,24 @@ SEED_METRICS = {"final_acc": "final acc", "best_acc": "best acc (selected on tes
                 "pseudo_label_acc": "pseudo-label acc", "local_acc": "local acc"}  # fmt: skip
 
 
+def _settings(runs: list) -> list[dict]:
+    """Each run's setting from its directory's config.toml (``fedfeat.report.load.run_settings``)."""
+    from fedfeat.report.load import run_settings
+
+    return [run_settings(s, q) for s, _, q in runs]
+
+
 def _best_settings(runs: list) -> tuple[list, str, str]:
-    """Keep, per (method, partition, store, rounds, clients, participation), the runs of the settings group whose
+    """Keep, among the runs that agree on every setting but their hyperparameters and seed (the run specification's
+    seed-table settings, ``fedfeat.spec.group_items``, without ``params.*``), the runs of the hyperparameters whose
     mean selection metric is highest."""
     metric = "val_acc" if runs and all(s.get("val_acc") is not None for s, _, _ in runs) else "final_acc"
     by_group: dict[tuple, dict[str, list]] = {}
-    for r in runs:
+    for r, items in zip(runs, _settings(runs)):
         s = r[0]
         defaults = _method_defaults(s["method"])
         changed = " ".join(f"{k}={v}" for k, v in s["params"].items() if defaults.get(k, v) != v) or "-"
-        outer = (s["method"], s["partition"], s.get("store_fingerprint"), s["rounds"], s.get("clients"),
-                 s.get("participation"))  # fmt: skip
+        outer = tuple((k, repr(v)) for k, v in items.items() if not k.startswith("params."))
         by_group.setdefault(outer, {}).setdefault(changed, []).append(r)
     kept = []
     for settings in by_group.values():
@@ -307,14 +314,14 @@ def seed_figure(
         s = r[0]
         defaults = _method_defaults(s["method"])
         changed = " ".join(f"{k}={v}" for k, v in s["params"].items() if defaults.get(k, v) != v)
-        key = (s["method"] + (f" {changed}" if changed else ""), s["partition"], s.get("store_fingerprint"),
-               s["rounds"])  # fmt: skip
+        items = tuple((k, repr(v)) for k, v in _settings([r])[0].items())
+        key = (s["method"] + (f" {changed}" if changed else ""), s["partition"], items)
         grouped.setdefault(key, []).append(r)
     if kind == "clients":
         from fedfeat.report.load import load_results
 
         groups = []
-        for (label, panel, _, _), rs in grouped.items():
+        for (label, panel, _), rs in grouped.items():
             accs = [load_results(r[2]).get("client_acc") if len(r) > 2 else None for r in rs]
             accs = [a[-1] for a in accs if a is not None and len(a)]
             if accs:
@@ -329,7 +336,7 @@ def seed_figure(
     if metric == "test_acc" and any("many_acc" in r[0] for r in others):
         metrics += ["many_acc", "medium_acc", "few_acc"]
     groups = []
-    for (label, panel, _, _), rs in grouped.items():
+    for (label, panel, _), rs in grouped.items():
         ms = [r[1] for r in rs]
         rounds = sorted(set.intersection(*[{r["round"] for r in m if r.get(metric) is not None} for m in ms]))
         if not rounds:
@@ -344,21 +351,26 @@ def seed_figure(
     )
 
 
-def seed_groups(summaries: list[dict]) -> list[dict]:
-    """Runs grouped by everything but the seed (method, settings, store, partition, rounds, clients,
-    participation), each with every metric's mean, sample standard deviation (n - 1; None for one run) and n."""
+def seed_groups(summaries: list[dict], settings: list[dict] | None = None) -> list[dict]:
+    """Runs grouped by everything but the seed, each with every metric's mean, sample standard deviation (n - 1;
+    None for one run) and n. ``settings``: each run's setting (``fedfeat.report.load.run_settings``, from its
+    config.toml: every setting the run specification groups by); default: what the summaries hold."""
+    from fedfeat.report.load import run_settings
+
+    settings = settings if settings is not None else [run_settings(s) for s in summaries]
     groups: dict[tuple, list[dict]] = {}
-    for s in summaries:
+    for s, items in zip(summaries, settings):
         defaults = _method_defaults(s["method"])
         changed = " ".join(f"{k}={v}" for k, v in s["params"].items() if defaults.get(k, v) != v) or "-"
-        key = (s["method"], changed, s["partition"], s.get("store_fingerprint"), s["rounds"], s.get("clients"),
-               s.get("participation"), Path(str(s.get("store", ""))).name)  # fmt: skip
-        groups.setdefault(key, []).append(s)
+        groups.setdefault(tuple((k, repr(v)) for k, v in items.items()), []).append((s, changed))
     metrics = [k for k in SEED_METRICS if any(s.get(k) is not None for s in summaries)]
     out = []
-    for key, ss in groups.items():
-        g = {"method": key[0], "settings": key[1], "store": key[7], "store_fingerprint": key[3],
-             "partition": key[2], "rounds": key[4], "clients": key[5], "participation": key[6],
+    for members in groups.values():
+        ss = [s for s, _ in members]
+        s0, changed = members[0]  # what the table shows of the group: its first run's
+        g = {"method": s0["method"], "settings": changed, "store": Path(str(s0.get("store", ""))).name,
+             "store_fingerprint": s0.get("store_fingerprint"), "partition": s0["partition"], "rounds": s0["rounds"],
+             "clients": s0.get("clients"), "participation": s0.get("participation"),
              "n": len(ss), "seeds": [s["seed"] for s in ss], "metrics": {}}  # fmt: skip
         for k in metrics:
             v = np.array([s[k] for s in ss if s.get(k) is not None], dtype=np.float64)
@@ -371,10 +383,10 @@ def seed_groups(summaries: list[dict]) -> list[dict]:
     return out
 
 
-def seed_table(summaries: list[dict], fmt: str = "markdown") -> str:
+def seed_table(summaries: list[dict], fmt: str = "markdown", settings: list[dict] | None = None) -> str:
     """``seed_groups`` as a table: each metric as mean ± sample standard deviation over the group's seeds, with n
     (markdown, CSV) or as JSON with plain numbers."""
-    groups = seed_groups(summaries)
+    groups = seed_groups(summaries, settings)
     if fmt == "json":
         return json.dumps(groups, indent=1)
     metrics = [k for k in SEED_METRICS if any(g["metrics"].get(k) for g in groups)]

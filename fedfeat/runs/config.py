@@ -26,8 +26,8 @@ import tomllib
 from fedfeat.errors import FedfeatError
 from fedfeat.report import rundir
 
-# the settings, their defaults, types and the flat record are the run specification's (``fedfeat.runs.spec``)
-from fedfeat.runs.spec import DEFAULTS, FIELDS, TYPES, RunConfig  # noqa: E402
+# the settings, their defaults, types and the flat record are the run specification's (``fedfeat.spec``)
+from fedfeat.spec import DEFAULTS, FIELDS, TYPES, RunConfig  # noqa: E402
 
 
 def parse_sets(sets: list[str] | None) -> dict:
@@ -266,7 +266,7 @@ def resolve_config(cli: dict, config_file: str | os.PathLike | None, sets: list[
     merged.update(given)
     if preset is not None:  # a preset's scheme parameters go with its scheme: another --partition drops them
         from fedfeat.partition.registry import schemes_using
-        from fedfeat.runs.spec import scheme_params
+        from fedfeat.spec import scheme_params
 
         for k in scheme_params():
             if k in base and k not in given and k not in run and merged["partition"] not in schemes_using(k):
@@ -282,11 +282,11 @@ def resolve_config(cli: dict, config_file: str | os.PathLike | None, sets: list[
 
 
 def validate_config(cfg: RunConfig) -> None:
-    """Range checks of the run's own settings (``fedfeat.runs.spec.validate``: each setting's declared check; a
+    """Range checks of the run's own settings (``fedfeat.spec.validate``: each setting's declared check; a
     scheme parameter with a scheme that does not take it), and the run's name. The settings a run only reads once
     training starts are checked here too, so that a sweep or grid file with a bad value fails before its first run
     (one line, exit 2), not as a failed run. The method checks its hyperparameters, the partition its own."""
-    from fedfeat.runs import spec
+    from fedfeat import spec
 
     spec.validate(cfg)
     if cfg.name is not None:
@@ -322,7 +322,7 @@ def config_toml(cfg: RunConfig, method_params: dict) -> str:
 def settings_hash(cfg: RunConfig, method_params: dict, method_defaults: dict) -> str:
     """8 hex digits of a sha256 over the settings that differ from the defaults (run settings other than those
     the name shows, method hyperparameters) and the store's fingerprint: stable across replays."""
-    from fedfeat.runs.spec import hashed
+    from fedfeat.spec import hashed
 
     run = hashed(cfg)
     params = {k: v for k, v in method_params.items() if method_defaults.get(k, v) != v}

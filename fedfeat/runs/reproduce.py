@@ -419,7 +419,7 @@ def points(
                 settings = {**fixed, **col.settings, **row.settings, "method": row.method, "seed": s,
                             "store": str(_store(row, col, stores, live_stores)), "out": str(out)}  # fmt: skip
                 if row.once_per_dataset and "partition" not in row.settings:
-                    from fedfeat.runs.spec import scheme_params
+                    from fedfeat.spec import scheme_params
 
                     settings.update({"partition": "iid", **dict.fromkeys(scheme_params())})
                     settings.pop("imbalance_factor", None)
@@ -453,7 +453,7 @@ def _partition_text(table: Table) -> str:
     """Each column's partition in the registry's words (``Scheme.describe``), e.g. ``Dir(α = 0.1)``."""
     from fedfeat.partition.openvocab import PRESET_RUN
     from fedfeat.partition.registry import fill_defaults, get_scheme
-    from fedfeat.runs.spec import scheme_params
+    from fedfeat.spec import scheme_params
 
     parts = []
     for col in table.columns:

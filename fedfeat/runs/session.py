@@ -163,8 +163,8 @@ class Session:
 def signatures(cfg: RunConfig) -> dict[str, tuple]:
     """Each cached item's signature for a run: computed from its config alone, before any store is opened; two
     runs that can share an entry have the same signature (``Session`` docstring). Derived from the run
-    specification: every setting declared to key a cache (``fedfeat.runs.spec.cache_key``) is in its signature."""
-    from fedfeat.runs.spec import cache_key
+    specification: every setting declared to key a cache (``fedfeat.spec.cache_key``) is in its signature."""
+    from fedfeat.spec import cache_key
     from fedfeat.store.urls import canonical_store
 
     where = canonical_store(cfg.store)
@@ -252,7 +252,7 @@ def run_partition(store, cfg: RunConfig, save: bool):
         key, part = sess.partitions[ck]
         sess._tag("partitions", ck, cfg)
     else:
-        from fedfeat.runs.spec import partition_args
+        from fedfeat.spec import partition_args
 
         key, part = stored_partition.store_partition(
             store,

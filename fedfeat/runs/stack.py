@@ -35,7 +35,7 @@ Which methods stack: each method declares it (``Method.stack_loss``, the local l
 | ``promptfl``, ``fedtpg``, ``pfedprompt``, ``fedopt``, ``fedcopl`` | no | live encoders: a step is the text / image encoder's forward per run's prompts; stacking would be a larger encoder batch, not less overhead (and the prompt modules are their own) |
 
 Runs that differ in what shapes the data (``Method.stack_shape``) or in any run setting the run specification does
-not declare ``per_run`` (``fedfeat.runs.spec.stack_key``), and the methods above that do not stack, are made one
+not declare ``per_run`` (``fedfeat.spec.stack_key``), and the methods above that do not stack, are made one
 by one (``fedfeat.runs.sweep`` groups them).
 """
 

@@ -29,7 +29,7 @@ partitions with their own parameters::
 **Stacking** (default; ``fedfeat sweep --no-stack`` turns it off): the pending runs of a stackable method
 (``Method.stack_loss``, ``fedfeat methods``: the linear heads and their baselines, FST-CBDG, CReFF / CLIP2FL, CCVR, FedDF,
 FedBE; the others say why not, ``Method.no_stack_reason``) that agree on every run setting the run specification
-does not declare ``per_run`` (``fedfeat.runs.spec.stack_key``: only seed, participation, name and output directory
+does not declare ``per_run`` (``fedfeat.spec.stack_key``: only seed, participation, name and output directory
 may differ) and on the hyperparameters that shape the data (``Method.stack_shape``) are made as one batched program along a run axis (``fedfeat.runs.stack``): their seeds,
 participation and hyperparameters may differ. Each still gets its own ordinary run directory with what the same
 run made alone gives (``tests/test_stack.py``: bit for bit with the fused CPU kernels, <= 1e-5 with the torch
@@ -190,11 +190,19 @@ def read_grid(path: str | os.PathLike) -> dict:
 def _settings(tbl: dict, where: str, axis: bool) -> None:
     """Run settings: known keys, each value of its type (``axis``: a value or a non-empty list of values)."""
     from fedfeat.runs.config import DEFAULTS, TYPES, check_setting, key_text, short
+    from fedfeat.spec import SWEEP_FIXED, SWEEPABLE
 
     for k, v in tbl.items():
         if k not in DEFAULTS:
             raise FedfeatError(
                 f"{where}: unknown key {key_text(k)}; valid: {', '.join(sorted(DEFAULTS))} (and a params table)"
+            )
+        if k not in SWEEPABLE and not (k in SWEEP_FIXED and not axis):
+            if k in SWEEP_FIXED:
+                raise FedfeatError(f"{where}: {key_text(k)} takes one value for the whole sweep; put it in [fixed]")
+            raise FedfeatError(
+                f"{where}: {key_text(k)} is the sweep's to set (each run's name, a replayed store's fingerprint); "
+                "drop it"
             )
         typ = TYPES.get(k, str)
         if axis and isinstance(v, str) and typ is not str:

@@ -79,7 +79,7 @@ def without_unused_partition(cfg: RunConfig, method) -> RunConfig:
     """``cfg`` with the partition settings a run ignores set back to their defaults (no error: a zeroshot row in a
     grid over partitions is one run), so its name and config.toml say nothing about a partition it never drew."""
     from fedfeat.runs.config import DEFAULTS
-    from fedfeat.runs.spec import drawn
+    from fedfeat.spec import drawn
 
     if uses_partition(cfg, method):
         return cfg
@@ -100,7 +100,7 @@ def _run_identity(cfg: RunConfig, method_params: dict, store, key: str) -> dict:
     """What defines a run, written into its checkpoints (``fedfeat.engine.checkpoint``) and checked on resume: the
     resolved settings and method hyperparameters, the store's fingerprint and the partition key; not where it is
     written (``out``, ``name``), the store's path (its fingerprint stands for it) or the device."""
-    from fedfeat.runs.spec import identity
+    from fedfeat.spec import identity
 
     run = identity(cfg)
     return {"run": run, "params": method_params, "store_fingerprint": store.attrs.get("fingerprint_hash"),
@@ -448,12 +448,12 @@ def _train_locked(
 def stack_group(cfg: RunConfig) -> tuple | None:
     """Runs with equal groups can be made as one stacked program (``fedfeat.runs.stack``): a method that stacks
     (``Method.stack_loss``) with equal data-shaping hyperparameters, and every run setting equal that the run
-    specification does not declare ``per_run`` (``fedfeat.runs.spec.stack_key``: seed, participation, name and
+    specification does not declare ``per_run`` (``fedfeat.spec.stack_key``: seed, participation, name and
     output directory may differ; a new setting keeps runs apart until declared so). None: this run is made on its
     own (a method that does not stack, a setting's ``unstack`` reason such as the loop engine or local test splits,
     torchrun)."""
     from fedfeat.methods import get_method
-    from fedfeat.runs import spec
+    from fedfeat import spec
     from fedfeat.runs.stack import stack_key
 
     if spec.unstack_reason(cfg) is not None:

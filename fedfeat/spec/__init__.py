@@ -25,12 +25,28 @@ sweepable field with them in one stacked grid and checks each run against the sa
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import typing
 from dataclasses import dataclass, field
 
 from fedfeat.errors import FedfeatError
+from fedfeat.spec.checks import (  # each setting's range check: value, spec -> complaint or None
+    _choice,
+    _class_order,
+    _device,
+    _fraction,
+    _imbalance,
+    _kernels,
+    _local_test_modes,
+    _local_val,
+    _positive,
+    _preset,
+    _query_val,
+    _scheme_unstack,
+    _schemes,
+    _shot_thresholds,
+    _val_split,
+)
 
 # the caches a setting keys (``cache_key``); "store" < "partition" < "data"; "live" is the live text encoder
 CACHES = ("store", "partition", "data", "live")
@@ -52,6 +68,7 @@ def setting(
     examples: tuple = (),
     context: dict | None = None,
     metavar: str | None = None,
+    groups: bool | None = None,
 ):
     """A run setting. ``key``: its flat name in config.toml, grid files and ``--flags`` (default: the field
     name). ``caches``: the session caches whose entries it keys. ``per_run``: runs that differ in it may still be
@@ -59,9 +76,11 @@ def setting(
     settings hash (off for what the name shows or what says where, not what). ``identity``: it is part of what a
     checkpoint is checked against on resume (off for where the run is written or read from). ``drawn``: a setting
     only a run that draws clients reads (reset for a method that draws none). ``check(value, spec) -> str | None``:
-    the one-line complaint about a bad value. ``unstack(value) -> str | None``: why a run with this value is made
+    the one-line complaint about a bad value. ``sweep``: True (a grid axis), ``"fixed"`` (one value for a whole
+    sweep) or False (not a sweep's: the run name, the replayed store's fingerprint). ``unstack(value) -> str | None``: why a run with this value is made
     on its own (e.g. the loop engine). ``examples``: values a sweep may vary it to, with the settings ``context``
-    in which it means something (tests: ``tests/test_spec_stacking.py``)."""
+    in which it means something (tests: ``tests/test_spec_stacking.py``). ``groups``: runs that differ in it are
+    different settings in a seed table (``report --seeds``; default: ``identity``; the seed is what a seed table pools)."""
     return field(
         default=default,
         metadata={
@@ -77,116 +96,10 @@ def setting(
             "unstack": unstack,
             "examples": tuple(examples),
             "context": dict(context or {}),
+            "groups": identity if groups is None else groups,
             "metavar": metavar,
         },
     )
-
-
-# ------------------------------------------------------------------------------------------------ checks
-
-
-def _positive(what: str, eg: str):
-    return lambda v, s: None if v is None or v >= 1 else f"must be >= 1, got {v}{eg}"
-
-
-def _fraction(v, s):
-    if v is None or (math.isfinite(v) and 0 < v <= 1):
-        return None
-    return f"must be in (0, 1], got {v} (e.g. 0.1 for 10 % of the clients)"
-
-
-def _choice(options, what: str = ""):
-    def check(v, s):
-        opts = options() if callable(options) else options
-        if v is None or v in opts:
-            return None
-        one = " or ".join(map(str, opts)) if len(opts) == 2 else f"one of {', '.join(map(str, opts))}"
-        return f"must be {one}, got {v!r}{what}"
-
-    return check
-
-
-def _kernels():
-    from fedfeat.engine.rounds import KERNELS
-
-    return KERNELS
-
-
-def _device(v, s):
-    d = str(v)
-    if d in ("auto", "cpu", "cuda") or (d.startswith("cuda:") and d[5:].isdigit()):
-        return None
-    return f"must be auto, cpu, cuda or cuda:N, got {v!r}"
-
-
-def _schemes():
-    from fedfeat.partition.registry import SCHEMES
-
-    return tuple(SCHEMES)
-
-
-def _scheme_unstack(v) -> str | None:
-    """A scheme that declares it cannot be stacked (``Scheme.no_stack_reason``: open vocabulary)."""
-    from fedfeat.partition.registry import SCHEMES
-
-    cls = SCHEMES.get(v)
-    return getattr(cls, "no_stack_reason", None) if cls is not None else None
-
-
-def _imbalance(v, s):
-    if v is None or (math.isfinite(v) and v >= 1):
-        return None
-    return f"must be a finite number >= 1, got {v} (e.g. 100)"
-
-
-def _val_split(v, s):
-    if v is None or (math.isfinite(v) and 0 <= v < 1):
-        return None
-    return f"must be in [0, 1), got {v} (e.g. 0.2: 20 % of each test class validates)"
-
-
-def _local_test_modes():
-    from fedfeat.partition.make import LOCAL_TEST
-
-    return LOCAL_TEST
-
-
-def _preset(v, s):
-    from fedfeat.partition.openvocab import PRESETS
-
-    return None if v is None or v in PRESETS else f"must be one of {', '.join(PRESETS)}, got {v!r}"
-
-
-def _local_val(v, s):
-    from fedfeat.partition.openvocab import LOCAL_VAL
-
-    return _choice(LOCAL_VAL)(v, s)
-
-
-def _query_val(v, s):
-    from fedfeat.partition.openvocab import QUERY_VAL
-
-    return _choice(QUERY_VAL)(v, s)
-
-
-def _class_order(v, s):
-    from fedfeat.partition.openvocab import class_order_mode
-
-    try:
-        class_order_mode(v, s.data.preset)
-    except FedfeatError as e:
-        return str(e).split(" ", 1)[1] if str(e).startswith("--class-order ") else str(e)
-    return None
-
-
-def _shot_thresholds(v, s):
-    if v is None:
-        return None
-    try:
-        hi, lo = (float(t) for t in str(v).split(","))
-    except ValueError:
-        return f"must be 'many,few' counts such as 1500,200; got {v!r}"
-    return None
 
 
 # ------------------------------------------------------------------------------------------------ the parts
@@ -211,6 +124,7 @@ class DataSpec:
         "A replayed config's store must have this fingerprint hash (config.toml writes it).",
         in_hash=False,
         identity=False,
+        groups=True,  # the store's content: runs on two copies of one store are one setting
         sweep=False,
     )
     preset: str | None = setting(
@@ -280,7 +194,8 @@ class DataSpec:
         caches=("live",),
         in_hash=False,
         identity=False,
-        sweep=False,  # where a file is, not what the run is: two runs differing in it would have one name
+        sweep="fixed",  # where a file is, not what the run is: one value for a whole sweep (runs differing in it
+        # would have one name)
     )
 
 
@@ -415,6 +330,7 @@ class EngineSpec:
         "Run seed (client sampling, shuffles, synthetic draws).",
         per_run=True,
         in_hash=False,
+        groups=False,  # the replicate: report --seeds pools the runs that differ only in it
         examples=(5, 7),
     )
     eval_every: int = setting(
@@ -552,7 +468,8 @@ def _ordered(fields: dict[str, Field]) -> dict[str, Field]:
 FIELDS: dict[str, Field] = _ordered(_fields())
 DEFAULTS: dict = {k: f.default for k, f in FIELDS.items()}
 TYPES: dict = {k: f.type for k, f in FIELDS.items() if f.type is not str}  # every other key is a string
-SWEEPABLE: tuple[str, ...] = tuple(k for k, f in FIELDS.items() if f.sweep)
+SWEEPABLE: tuple[str, ...] = tuple(k for k, f in FIELDS.items() if f.sweep is True)  # a grid axis
+SWEEP_FIXED: tuple[str, ...] = tuple(k for k, f in FIELDS.items() if f.sweep == "fixed")  # one value a sweep
 
 
 def _record():
@@ -564,7 +481,7 @@ def _record():
         rows,
         namespace={
             "__doc__": "A run's settings as one flat record (the keys of config.toml), generated from the run "
-            "specification (``fedfeat.runs.spec``); ``spec`` gives the typed tree.",
+            "specification (``fedfeat.spec``); ``spec`` gives the typed tree.",
             "spec": property(lambda self: to_spec(self)),
         },
     )
@@ -686,3 +603,13 @@ def identity(cfg) -> dict:
 def drawn() -> tuple[str, ...]:
     """The settings only a run that draws clients reads (reset for a method that draws none)."""
     return tuple(k for k, f in FIELDS.items() if f.drawn)
+
+
+def group_items(run: dict, params: dict) -> dict:
+    """What makes a run's setting in a seed table (``report --seeds``, ``--best``, the seed figures): every
+    setting declared ``groups`` (all that say what the run is, the store's fingerprint among them, but the seed), as
+    a ``config.toml`` ``[run]`` table gives them (missing keys at their defaults), and the method's hyperparameters
+    as ``params.<key>``. Runs with equal items differ only in their seed."""
+    items = {k: run.get(k, f.default) for k, f in FIELDS.items() if f.groups}
+    items.update({f"params.{k}": v for k, v in sorted(params.items())})
+    return items
