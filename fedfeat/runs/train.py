@@ -34,21 +34,25 @@ from fedfeat.report import clipbench, rundir
 from fedfeat.report.rundir import CHECKPOINT, read_metrics
 from fedfeat.runs.config import RunConfig, config_toml, default_run_name, resolve_config
 from fedfeat.runs.session import live_text, open_store, run_data, run_partition
-from fedfeat.runs.writers import (  # what a run writes besides training (re-exported: tests and benches use them)
-    _STARTED,
-    _progress_bar,
+from fedfeat.runs.writers import (  # what a run writes besides training, and the writers of its rows
+    ClassGroups,
+    Interrupts,
+    Live,
+    MetricsFile,
+    ProgressBar,
+    Rows,
+    StackShare,
+    Startup,
     _run_info,
     _summary,
     _write_atomic,
     capture_predictions,
     compile_clock,
     default_thresholds,
-    group_accuracy,
     memory_figures,
-    process_age,
     reset_device_peak,
     shot_groups,
-    write_results,
+    write_outputs,
 )
 
 # every 10 rounds: at the CIFAR-10 shape a checkpoint (safetensors + fsync + rename) costs 2-35 % of a round
@@ -126,7 +130,7 @@ def train(
     log=print,
     callbacks=None,
     _device=None,
-    _stacked: tuple | None = None,
+    _stacked: StackShare | None = None,
 ) -> Path:
     """Run one configuration end to end and write its run directory (``fedfeat.report.rundir``). Returns it.
 
@@ -238,10 +242,8 @@ def _train_locked(
     cfg, method, method_params, device, kernel, store, key, part, stored, rd, resuming, overwrite,
     checkpoint_every, progress, log, checkpoint, stacked=None,
 ):  # fmt: skip
-    from safetensors.torch import save_file
 
     from fedfeat.engine.rounds import run_federated
-    from fedfeat.report.plots import plot_curves
 
     rd.check_links()  # again, under the lock
     rd.recover()
@@ -278,7 +280,6 @@ def _train_locked(
     cbs = _callbacks.for_run(None)  # live logging: the callbacks of train() and those active around it
     try:
         identity = _run_identity(cfg, method_params, store, key)
-        written: list[str] = []  # metrics.jsonl's text so far: its digest goes into each checkpoint
         if resuming:
             afresh = (
                 f"to start it afresh, drop --resume and pass --overwrite: fedfeat train --config "
@@ -312,51 +313,35 @@ def _train_locked(
             data.train_counts.cpu().numpy(), cfg.shot_thresholds or default_thresholds(cfg, data)
         )
         test_counts = np.bincount(data.test_y.cpu().numpy(), minlength=len(data.class_names))
-        mpath = rd.partial / "metrics.jsonl"
         done = start[0] if start else 0
-        if resuming:  # rows after the checkpoint are redone
-            kept = old if start else []  # checkpoint.load kept the rows up to its round (checked)
-            written.append(checkpoint.rows_text(kept))
-            tmp = mpath.with_name(".metrics.jsonl.tmp")
-            tmp.write_text(written[0])
-            os.replace(tmp, mpath)
+        # rows after the checkpoint are redone; checkpoint.load kept the rows up to its round (checked)
+        kept = checkpoint.rows_text(old if start else []) if resuming else None
+        mfile = MetricsFile(rd.partial / "metrics.jsonl", kept)
+        if resuming:
             log(f"resuming {rd.name} after round {done} of {cfg.rounds}")
         cbs.run_start(_run_info(cfg, method_params, rd, done if resuming else None))
         last_pred = capture_predictions(method) if stacked is None else None  # for results.npz's confusion
-        mfile = open(mpath, "a")  # noqa: SIM115 (closed below)
-        bar = _progress_bar(cfg, method, key, done) if progress else None
+        startup = Startup(first=stacked is None)
+        # the one loop's writers, in order: what each row is written to (the engine calls them per round)
+        rows = Rows([startup, ClassGroups(groups, test_counts), mfile, Live(cbs),
+                     ProgressBar(cfg, method, key, done) if progress else None, Interrupts()])  # fmt: skip
         ck_seconds = [0.0]
-        startup = [None]  # the process's age when its first run starts training (``process_age``)
-
-        def on_round(row: dict) -> None:
-            if startup[0] is None and stacked is None and not _STARTED:
-                _STARTED.append(True)
-                startup[0] = process_age()
-            if groups is not None and "per_class_acc" in row:
-                row.update(group_accuracy(row["per_class_acc"], test_counts, groups))
-            written.append(json.dumps(row) + "\n")
-            mfile.write(written[-1])
-            mfile.flush()
-            cbs.round_end(dict(row))  # after the row is written
-            if bar is not None:
-                acc = "-" if row["test_acc"] is None else f"{row['test_acc']:.2f}%"
-                bar[0].update(bar[1], completed=row["round"], acc=acc)
-            rundir.fault_point(f"after-round-{row['round']}")
-            rundir.check_interrupt()  # a Ctrl-C that numba's compiler swallowed stops the run here
 
         def on_checkpoint(rnd: int, glob: dict, state: dict) -> None:
             t = time.perf_counter()
-            os.fsync(mfile.fileno())  # the metrics rows the checkpoint stands on are on disk first
-            checkpoint.save(ckpt, rnd, glob, state, run=identity, rows="".join(written))
+            mfile.sync()  # the metrics rows the checkpoint stands on are on disk first
+            checkpoint.save(ckpt, rnd, glob, state, run=identity, rows=mfile.text)
             ck_seconds[0] += time.perf_counter() - t
 
         t0 = time.perf_counter()
         compiled = [0.0]
         try:
-            if stacked is not None:  # (weights, rows, seconds, runs): this run's share of a stacked program
-                glob = stacked[0]
-                for row in stacked[1]:
-                    on_round(dict(row))
+            if (
+                stacked is not None
+            ):  # this run's share of a stacked program: its rows written as they were made
+                glob = stacked.weights
+                for row in stacked.rows:
+                    rows(dict(row))
             else:
                 with compile_clock(compiled):
                     glob, _ = run_federated(
@@ -368,44 +353,26 @@ def _train_locked(
                         engine=cfg.engine,
                         kernel=cfg.kernel,
                         device=device,
-                        on_round=on_round,
+                        on_round=rows,
                         on_checkpoint=on_checkpoint,
                         checkpoint_every=checkpoint_every,
                         eval_every=cfg.eval_every,
                         resume=start,
                     )
         finally:
-            mfile.close()
-            if bar is not None:
-                bar[0].stop()
+            rows.close()
         # numba's compile on first use (~25 s for the fused kernels, once per machine: cached on disk) is
         # recorded as compile_seconds and left out of seconds
-        wall = time.perf_counter() - t0 - compiled[0] if stacked is None else stacked[2]
-        metrics = read_metrics(mpath)
-        trained = method.federated or centralized  # zeroshot: its head is the store's text features
-        if trained:
-            save_file(
-                {k: v.detach().cpu().contiguous() for k, v in glob.items()},
-                rd.partial / "weights.safetensors",
-            )
-        ev_rows = [r for r in metrics if r["test_acc"] is not None]
-        plot_curves(
-            {cfg.method: ([r["round"] for r in ev_rows], [r["test_acc"] for r in ev_rows])},
-            rd.partial / "curve.png",
-            title=f"{cfg.method} on {Path(cfg.store).name}, {key}",
-        )
-        confusion = (
-            stacked[4] if stacked is not None and len(stacked) > 4 else (last_pred or {}).get("confusion")
-        )
-        write_results(rd.partial, metrics, confusion)
+        wall = time.perf_counter() - t0 - compiled[0] if stacked is None else stacked.seconds
+        metrics = read_metrics(mfile.path)
+        confusion = stacked.confusion if stacked is not None else (last_pred or {}).get("confusion")
+        trained = write_outputs(rd.partial, cfg, method, key, glob, metrics, confusion)
         summary = _summary(cfg, method, method_params, kernel, device, key, rd.name, metrics, wall, store)
         summary.update(memory_figures(device))  # peak_rss_bytes, rss_bytes_at_end, peak_device_bytes (CUDA)
         summary["checkpoint_seconds"] = ck_seconds[0]
         summary["compile_seconds"] = compiled[0]  # numba's compiles on first use: not in ``seconds``
-        if (
-            startup[0] is not None
-        ):  # the first run of its process: start-up to training (BENCHMARKS.md, "First run")
-            summary["startup_seconds"] = startup[0]
+        if startup.seconds is not None:  # the first run of its process: start-up to training (BENCHMARKS.md)
+            summary["startup_seconds"] = startup.seconds
         if not trained:
             summary["weights"] = (
                 f"none written: {cfg.method} trains nothing (its head is the store's class text features)"
@@ -416,9 +383,9 @@ def _train_locked(
             doc = clipbench.result(store, logits, y, dataset=dataset)
             summary["clip_benchmark"] = clipbench.write(rd.partial, doc).name
         if stacked is not None:
-            summary["stacked_runs"] = stacked[
-                3
-            ]  # made in one program with this many runs (fedfeat.runs.stack)
+            summary["stacked_runs"] = (
+                stacked.runs
+            )  # made in one program with this many runs (fedfeat.runs.stack)
         if start:
             summary["resumed_after_round"] = done
         rundir.check_interrupt()  # an interrupt that something swallowed: no summary, nothing published
@@ -452,8 +419,8 @@ def stack_group(cfg: RunConfig) -> tuple | None:
     output directory may differ; a new setting keeps runs apart until declared so). None: this run is made on its
     own (a method that does not stack, a setting's ``unstack`` reason such as the loop engine or local test splits,
     torchrun)."""
-    from fedfeat.methods import get_method
     from fedfeat import spec
+    from fedfeat.methods import get_method
     from fedfeat.runs.stack import stack_key
 
     if spec.unstack_reason(cfg) is not None:
@@ -493,7 +460,7 @@ def train_stacked(cfgs: list[RunConfig], *, overwrite: bool = False, log=print) 
         if isinstance(r, FedfeatError):
             out.append(r)
             continue
-        stacked = (*r, share, len(cfgs), box.get("confusion"))
+        stacked = StackShare(r[0], r[1], share, len(cfgs), box.get("confusion"))
         out.append(train(c, overwrite=overwrite, progress=False, log=log, _stacked=stacked))
     return out
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import platform
 from pathlib import Path
@@ -290,3 +291,148 @@ def memory_figures(device) -> dict:
     if torch.device(device).type == "cuda" and torch.cuda.is_available():
         out["peak_device_bytes"] = int(torch.cuda.max_memory_allocated(device))
     return out
+
+
+# ------------------------------------------------------------------------------------------------ the run's loop
+
+
+@dataclasses.dataclass(frozen=True)
+class StackShare:
+    """A run's share of a stacked program (``fedfeat.runs.train.train_stacked``), written as its own run."""
+
+    weights: dict  # the final global parameters
+    rows: list  # its metric rows, round 0 first
+    seconds: float  # its share of the stack's time
+    runs: int  # how many runs the program made
+    confusion: np.ndarray | None = None  # the last evaluated round's confusion matrix
+
+
+class RowWriter:
+    """One thing a run does with each metric row, in the order of ``Rows.writers`` (module docstring)."""
+
+    def row(self, row: dict) -> None:  # pragma: no cover - the interface
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class ClassGroups(RowWriter):
+    """Many / medium / few-shot accuracy added to each evaluated row (long-tailed runs, ``--shot-thresholds``)."""
+
+    def __init__(self, groups: dict | None, test_counts: np.ndarray):
+        self.groups, self.test_counts = groups, test_counts
+
+    def row(self, row: dict) -> None:
+        if self.groups is not None and "per_class_acc" in row:
+            row.update(group_accuracy(row["per_class_acc"], self.test_counts, self.groups))
+
+
+class MetricsFile(RowWriter):
+    """``metrics.jsonl``: one line a round, flushed; ``text`` is what it holds (a checkpoint's digest covers it)."""
+
+    def __init__(self, path: Path, kept: str | None = None):
+        self.path = path
+        self.written: list[str] = []
+        if kept is not None:  # a resumed run: the rows up to its checkpoint, written afresh
+            self.written.append(kept)
+            tmp = path.with_name(".metrics.jsonl.tmp")
+            tmp.write_text(kept)
+            os.replace(tmp, path)
+        self.file = open(path, "a")  # noqa: SIM115 (closed by close)
+
+    def row(self, row: dict) -> None:
+        self.written.append(json.dumps(row) + "\n")
+        self.file.write(self.written[-1])
+        self.file.flush()
+
+    def sync(self) -> None:
+        os.fsync(self.file.fileno())
+
+    @property
+    def text(self) -> str:
+        return "".join(self.written)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class Live(RowWriter):
+    """The live loggers and plugins (``fedfeat.runs.callbacks``), after the row is on disk."""
+
+    def __init__(self, cbs):
+        self.cbs = cbs
+
+    def row(self, row: dict) -> None:
+        self.cbs.round_end(dict(row))
+
+
+class ProgressBar(RowWriter):
+    def __init__(self, cfg: RunConfig, method, key: str, done: int):
+        self.bar, self.task = _progress_bar(cfg, method, key, done)
+
+    def row(self, row: dict) -> None:
+        acc = "-" if row["test_acc"] is None else f"{row['test_acc']:.2f}%"
+        self.bar.update(self.task, completed=row["round"], acc=acc)
+
+    def close(self) -> None:
+        self.bar.stop()
+
+
+class Startup(RowWriter):
+    """The process's age when its first run produced its first row (``summary.json``'s ``startup_seconds``)."""
+
+    def __init__(self, first: bool):
+        self.first, self.seconds = first, None
+
+    def row(self, row: dict) -> None:
+        if self.first and self.seconds is None and not _STARTED:
+            _STARTED.append(True)
+            self.seconds = process_age()
+
+
+class Interrupts(RowWriter):
+    """Fault-injection points for the tests, and a Ctrl-C that numba's compiler swallowed, after each row."""
+
+    def row(self, row: dict) -> None:
+        from fedfeat.report import rundir
+
+        rundir.fault_point(f"after-round-{row['round']}")
+        rundir.check_interrupt()
+
+
+class Rows:
+    """The writers a run's rows go through, in order; ``Rows(...)(row)`` is the engine's ``on_round``."""
+
+    def __init__(self, writers: list[RowWriter]):
+        self.writers = [w for w in writers if w is not None]
+
+    def __call__(self, row: dict) -> None:
+        for w in self.writers:
+            w.row(row)
+
+    def close(self) -> None:
+        for w in self.writers:
+            w.close()
+
+
+def write_outputs(
+    rd_dir: Path, cfg: RunConfig, method, key: str, glob: dict, metrics: list[dict], confusion
+) -> bool:
+    """What a finished run leaves besides its summary: ``weights.safetensors`` (a method that trains), ``curve.png``
+    and ``results.npz``. Returns whether weights were written."""
+    from safetensors.torch import save_file
+
+    from fedfeat.report.plots import plot_curves
+
+    trained = method.federated or method.centralized  # zeroshot: its head is the store's text features
+    if trained:
+        save_file({k: v.detach().cpu().contiguous() for k, v in glob.items()}, rd_dir / "weights.safetensors")
+    ev_rows = [r for r in metrics if r["test_acc"] is not None]
+    plot_curves(
+        {cfg.method: ([r["round"] for r in ev_rows], [r["test_acc"] for r in ev_rows])},
+        rd_dir / "curve.png",
+        title=f"{cfg.method} on {Path(cfg.store).name}, {key}",
+    )
+    write_results(rd_dir, metrics, confusion)
+    return trained
