@@ -42,7 +42,6 @@ import datetime
 import os
 import re
 import time
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -52,8 +51,8 @@ import torch
 from fedfeat.data import open_dataset
 from fedfeat.data.base import ImageDataset, UnreadableImage
 from fedfeat.data.templates import fill, resolve_templates
-from fedfeat.encoders import openclip as clipcompat
 from fedfeat.encoders import backbones
+from fedfeat.encoders import openclip as clipcompat
 from fedfeat.encoders.weights import resolve_weights
 from fedfeat.engine.distributed import Dist, init_dist
 from fedfeat.errors import FedfeatError

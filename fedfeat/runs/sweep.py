@@ -199,7 +199,9 @@ def _settings(tbl: dict, where: str, axis: bool) -> None:
             )
         if k not in SWEEPABLE and not (k in SWEEP_FIXED and not axis):
             if k in SWEEP_FIXED:
-                raise FedfeatError(f"{where}: {key_text(k)} takes one value for the whole sweep; put it in [fixed]")
+                raise FedfeatError(
+                    f"{where}: {key_text(k)} takes one value for the whole sweep; put it in [fixed]"
+                )
             raise FedfeatError(
                 f"{where}: {key_text(k)} is the sweep's to set (each run's name, a replayed store's fingerprint); "
                 "drop it"
