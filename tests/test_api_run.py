@@ -109,6 +109,7 @@ def test_seconds_leave_numba_compiling_out(store, tmp_path):
 
     class CompilesOnce(LinearHead):
         name = "test-compiles-once"
+        state_keys = {"compiled": "server: 1 once the first round compiled (test)"}
 
         def local_begin(self, ctx, plan, glob):
             if not ctx.state.get("compiled"):

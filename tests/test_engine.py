@@ -258,7 +258,6 @@ def test_fst_soft_label_update_after_one_step(tmp_path):
     def setup(ctx):
         orig_setup(ctx)
         ctx.state["q"] = q0.clone()
-        ctx.state["ctx"] = ctx
 
     m.setup = setup
     x = torch.nn.functional.normalize(data.train_x.float(), dim=1)

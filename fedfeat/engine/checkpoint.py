@@ -4,7 +4,9 @@ it is trusted.
 A checkpoint holds the round counter, the global parameters and the method's persistent state (``ctx.state``:
 soft labels, server momentum, federated features, re-trained heads, ...). Random streams are counter-based
 (``fedfeat.engine.rng``: a function of seed, round, epoch and sample), so nothing else is needed for a resumed run to
-equal an uninterrupted one exactly. Scratch memory (``round_buffers``) is left out.
+equal an uninterrupted one exactly. Scratch memory (``round_buffers``) is left out. Every key of ``ctx.state`` is
+declared (``Method.state_keys``, the engine's ``engine.context.ENGINE_STATE_KEYS``); a resumed run writes the loaded
+state back into the method's ``ctx.state`` through that check.
 
 ``ctx.state`` is a tree of dicts, lists, tensors and plain values; tensors go into the safetensors file under
 their path (``state/agg/gW``), the tree's shape and plain values into its JSON metadata. Loading uses

@@ -48,6 +48,92 @@ def masked_mean(v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (v * m).sum(1) / m.sum(1).clamp_min(1)
 
 
+# the state the engine itself keeps in ``ctx.state`` (declared once here; a method declares its own in ``state_keys``)
+ENGINE_STATE_KEYS: dict[str, str] = {
+    "round_buffers": "engine scratch: {name: [m, ...] tensor} reused from round to round by round_buffer (the fused "
+    "kernels' per-client buffers); not checkpointed (checkpoint.TRANSIENT)",
+    "carried_optimizer": "engine, server: {'state': the one optimiser's state} carried from client to client and "
+    "round to round by rounds.run_carried (methods whose optimizer_state is 'carried')",
+}
+
+
+class UndeclaredStateError(KeyError):
+    """A write of a ``ctx.state`` key that neither the method (``state_keys``) nor the engine declares."""
+
+    def __str__(self) -> str:  # one plain line (KeyError's own str() quotes its message)
+        return str(self.args[0]) if self.args else ""
+
+
+class MethodState(dict):
+    """``ctx.state``: a run's persistent method state (checkpointed), a dict whose keys are declared. Writing a key
+    (``[]=``, ``setdefault``, ``update``, ``|=``) that is not among ``declared`` raises ``UndeclaredStateError`` (a
+    ``KeyError``) naming the method, the key and where to declare it; reads are a plain dict's. ``declared=None``: no
+    check (a ``Context`` made by hand, as unit tests do). ``state_for(method)`` makes a method's.
+
+    Example::
+
+        >>> st = MethodState({"q": "per-sample soft labels [N, K]"}, owner="fst-cbdg", where="FSTCBDG")
+        >>> st["q"] = 1
+        >>> try:
+        ...     st["qq"] = 2
+        ... except KeyError as e:
+        ...     print(str(e)[:56])
+        method fst-cbdg wrote ctx.state['qq'], which it does not
+    """
+
+    __slots__ = ("declared", "owner", "where")
+
+    def __init__(self, declared: dict[str, str] | None = None, owner: str = "", where: str = "", *args, **kw):
+        self.declared, self.owner, self.where = declared, owner, where
+        super().__init__()
+        if args or kw:
+            self.update(*args, **kw)
+
+    def _check(self, key) -> None:
+        if self.declared is not None and key not in self.declared:
+            raise UndeclaredStateError(
+                f"method {self.owner or '?'} wrote ctx.state[{key!r}], which it does not declare; add it to "
+                f"{self.where or 'its class'}.state_keys ({{name: one line of doc}}); declared: "
+                f"{', '.join(k for k in self.declared if k not in ENGINE_STATE_KEYS) or 'nothing'}"
+            )
+
+    def __setitem__(self, key, value) -> None:
+        self._check(key)
+        super().__setitem__(key, value)
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self._check(key)
+        return super().setdefault(key, default)
+
+    def update(self, *args, **kw) -> None:
+        new = dict(*args, **kw)
+        for k in new:
+            self._check(k)
+        super().update(new)
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+    def __reduce__(self):  # copy / pickle: rebuilt with its declaration, then its items
+        return (type(self), (self.declared, self.owner, self.where), None, None, iter(self.items()))
+
+
+def state_for(method) -> MethodState:
+    """An empty ``ctx.state`` for ``method``: its declared keys (``type(method).declared_state()``: every
+    ``state_keys`` of its classes) and the engine's (``ENGINE_STATE_KEYS``)."""
+    cls = type(method)
+    own = (
+        cls.declared_state() if hasattr(cls, "declared_state") else dict(getattr(cls, "state_keys", {}) or {})
+    )
+    return MethodState(
+        {**ENGINE_STATE_KEYS, **own},
+        owner=getattr(method, "name", "") or cls.__qualname__,
+        where=f"{cls.__module__}.{cls.__qualname__}",
+    )
+
+
 @dataclass
 class Context:
     """What a method sees of the data. ``labels`` is None for label-free methods."""
@@ -63,7 +149,9 @@ class Context:
     n_clients: int
     labels: torch.Tensor | None = None  # [N] client-major training labels, None for label-free methods
     train_counts: torch.Tensor | None = None  # [K] training samples per class (labelled methods only)
-    state: dict = field(default_factory=dict)  # persistent method state (per-sample / per-client tensors)
+    # persistent method state (per-sample / per-client tensors, checkpointed): keys declared by the method
+    # (``Method.state_keys``) or the engine (``ENGINE_STATE_KEYS``); ``build_context`` makes it (``state_for``)
+    state: MethodState = field(default_factory=MethodState)
     threads: int = 1  # CPU threads of a fused kernel (torch's thread count when the run began)
     open_vocab: object | None = (
         None  # fedfeat.partition.openvocab.OpenVocab (normalised like feats) in that setting

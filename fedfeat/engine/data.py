@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedfeat.engine.context import Context
+from fedfeat.engine.context import Context, state_for
 from fedfeat.errors import FedfeatError
 
 
@@ -128,6 +128,7 @@ def build_context(data: RunData, method, seed: int, device: torch.device) -> Con
         train_rows=data.rows,
         test_rows=data.test_rows,
         val_mask=data.val_mask,
+        state=state_for(method),  # writes only the keys the method (state_keys) or the engine declares
     )
     if method.needs_live_text and data.live is None:
         raise FedfeatError(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedfeat.engine.context import Context, RoundPlan, fedavg, param_bytes, sample_clients
+from fedfeat.engine.context import ENGINE_STATE_KEYS, Context, RoundPlan, fedavg, param_bytes, sample_clients
 from fedfeat.engine.optim import BatchedSGD
 from fedfeat.errors import FedfeatError
 
@@ -313,10 +313,39 @@ def check_capabilities(cls) -> None:
             raise FedfeatError(
                 f"method {cls.name}: capability {name} = {_show(value)} must be {cap.type_name()} ({cap.doc})"
             )
+    check_state_keys(cls)
     if "\n" in cls.no_stack_reason:
         raise FedfeatError(
             f"method {cls.name}: no_stack_reason must be one line, got {_show(cls.no_stack_reason)}"
         )
+
+
+def check_state_keys(cls) -> None:
+    """``register``'s check of the declared state: each class's ``state_keys`` is a dict of a name (a string) to
+    one non-empty line of doc, and no name is one of the engine's keys (``ENGINE_STATE_KEYS``). A violation is one
+    ``FedfeatError`` line."""
+    for base in cls.__mro__:
+        keys = vars(base).get("state_keys")
+        if keys is None:
+            continue
+        if not isinstance(keys, Mapping):
+            raise FedfeatError(
+                f"method {cls.name}: state_keys of {_where(base)} must be a dict {{name: one line of doc}}, got "
+                f"{type(keys).__name__}"
+            )
+        for k, doc in keys.items():
+            if not isinstance(k, str) or not k:
+                raise FedfeatError(f"method {cls.name}: state key {_show(k)} of {_where(base)} is not a name")
+            if not isinstance(doc, str) or not doc.strip() or "\n" in doc:
+                raise FedfeatError(
+                    f"method {cls.name}: state key {k!r} of {_where(base)} needs one line of doc (what it holds, "
+                    f"its shape, per-client / per-sample / server), got {_show(doc)}"
+                )
+            if k in ENGINE_STATE_KEYS:
+                raise FedfeatError(
+                    f"method {cls.name}: state key {k!r} of {_where(base)} is the engine's ({ENGINE_STATE_KEYS[k]}); "
+                    "choose another name"
+                )
 
 
 @dataclass(frozen=True)
@@ -343,10 +372,19 @@ class Method:
     layer read besides the hooks, each declared below with its type, default and one line of doc. Set them as plain
     class attributes (``needs_live_text = True``); ``register`` refuses a value of the wrong type and a misspelled
     name. ``shardable`` and ``stack_loss`` are not inherited: a subclass declares them itself.
+
+    Persistent state (``state_keys``): what a method keeps across rounds and checkpoints lives in ``ctx.state``, and
+    every key it writes there is declared in the class attribute ``state_keys = {name: one line of doc}`` (what it
+    holds, its shape, per-client / per-sample / server). Declarations are inherited and merged: a subclass adds its
+    own (``declared_state()`` is the effective one, over the MRO). Writing an undeclared key raises a ``KeyError``
+    naming the method, the key and ``state_keys``; reading is free. A method that keeps no state declares nothing.
+    The engine's own keys (``round_buffers``, ``carried_optimizer``) are ``engine.context.ENGINE_STATE_KEYS``.
     """
 
     name = ""
     Params = NoParams
+    # ---- persistent state: {ctx.state key: one line of doc}, merged over the MRO (``declared_state``)
+    state_keys: dict[str, str] = {}
 
     # ---- capabilities (the docstring's last paragraph): Capability(type, default, one line of doc)
     uses_labels = Capability(bool, True, "reads training labels; False: Batch.y raises, ctx.labels is None")
@@ -396,6 +434,22 @@ class Method:
 
     def __init__(self, params):
         self.p = params
+
+    @classmethod
+    def declared_state(cls) -> dict[str, str]:
+        """``{key: doc}`` of every ``ctx.state`` key the class may write: the ``state_keys`` of its classes (and
+        mixins), bases first, a subclass's doc replacing its base's for the same key.
+
+        Example::
+
+            >>> from fedfeat.methods import REGISTRY
+            >>> sorted(REGISTRY["fedavgm"].declared_state())
+            ['v']
+        """
+        out: dict[str, str] = {}
+        for c in reversed(cls.__mro__):
+            out.update(vars(c).get("state_keys") or {})
+        return out
 
     # ---- server side
     def setup(self, ctx: Context) -> None:
@@ -513,6 +567,7 @@ __all__ = [
     "REGISTRY",
     "STACK_LOSSES",
     "capabilities",
+    "check_state_keys",
     "get_method",
     "method_table",
     "param_bytes",

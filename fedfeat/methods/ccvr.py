@@ -137,6 +137,11 @@ class CCVR(LinearHead):
     """CCVR: FedAvg + classifier calibration on virtual representations from the clients' class Gaussians."""
 
     name = "ccvr"
+    state_keys = {
+        "calibrated": "server: {'W': [K, D], 'b': [K]} the head calibrated on virtual representations (None before)",
+        "uploaded": "server: bool, True once the clients' feature statistics were uploaded (counted in bytes once)",
+        "info": "server: {figure: number} the calibration's steps and loss, for round_metrics",
+    }
     Params = CCVRParams
     shardable = True  # FedAvg locally; the calibration is a deterministic server step on every rank
     stack_loss = "ce"  # FedAvg's local step; the classifier calibration per run, as alone

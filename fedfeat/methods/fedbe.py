@@ -48,6 +48,7 @@ from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import register
 from fedfeat.methods.head import LinearHead, LinearHeadParams
 from fedfeat.methods.serverdata import (
+    DISTILL_STATE,
     DistillConfig,
     check_source,
     distill_head,
@@ -172,6 +173,7 @@ class FedBE(LinearHead):
     with SWA on unlabelled server data."""
 
     name = "fedbe"
+    state_keys = DISTILL_STATE  # (serverdata) the FedAvg head and the distillation's figures
     Params = FedBEParams
     shardable = True  # the server step sees every client's head (aggregate), and is deterministic
     stack_loss = "ce"  # FedAvg's local step; the Bayesian ensemble distillation per run, as alone

@@ -116,6 +116,14 @@ def _check_readings(p) -> None:
         )
 
 
+# the ``ctx.state`` keys ``select`` writes (FedCoPL, CoPL-linear): the pseudo-labelled selection, checkpointed
+SELECTION_STATE: dict[str, str] = {
+    "sel_orig": "per-sample: [N_kept] int64 original client-major positions of the selected rows",
+    "sel_offsets": "per-client: [C + 1] int64 (cpu) offsets of the selected rows' client-major layout",
+    "pl_labels": "per-sample: [N_kept] int64 hard pseudo-labels of the selected rows",
+}
+
+
 def select(ctx: Context, probs: torch.Tensor, seg: torch.Tensor, p, refresh_index: int) -> None:
     """Pseudo-label every client's samples (``probs  # [N, K]``, client-major, ``seg`` the clients' offsets) with
     ``p.pseudo`` and record the selection in ``ctx.state`` (checkpointed): the kept rows' original positions, the
@@ -166,6 +174,11 @@ class FedCoPL(Method):
     """FedCoPL (Guo et al. 2025): cooperative pseudo-labels, VPT-deep + local CoOp text prompts, partial aggregation."""
 
     name = "fedcopl"
+    state_keys = {
+        **SELECTION_STATE,
+        "client_vpt": "per-client: [C, depth, P, W] each client's VPT-deep prompts (aggregate not 'visual'/'both')",
+        "client_text": "per-client: [C, n_ctx, W] each client's CoOp text prompt (aggregate not 'text'/'both')",
+    }
     shardable = True  # refreshes pseudo-labels identically on every rank; personal prompts from all-gather
     Params = FedCoPLParams
     uses_labels = False
@@ -380,6 +393,7 @@ class CoPLLinear(LinearHead):
     """CoPL + a linear head on cached features (FedCoPL's plug-and-play claim, the fast path): FedAvg on pseudo-labels."""
 
     name = "copl-linear"
+    state_keys = SELECTION_STATE
     Params = CoPLLinearParams
     uses_labels = False  # the engine never hands it the true labels; it trains on its own pseudo-labels
     shardable = True

@@ -52,6 +52,7 @@ from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import register
 from fedfeat.methods.head import LinearHead, LinearHeadParams
 from fedfeat.methods.serverdata import (
+    DISTILL_STATE,
     DistillConfig,
     check_source,
     distill_head,
@@ -130,6 +131,7 @@ class FedDF(LinearHead):
     """FedDF: FedAvg + server-side ensemble distillation of the client heads on unlabelled server data."""
 
     name = "feddf"
+    state_keys = DISTILL_STATE  # (serverdata) the FedAvg head and the distillation's figures
     Params = FedDFParams
     shardable = True  # the server step sees every client's head (aggregate), and is deterministic
     stack_loss = "ce"  # FedAvg's local step; the ensemble distillation per run, as alone

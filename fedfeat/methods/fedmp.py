@@ -275,6 +275,10 @@ class FedMP(FedCLIP):
     """Fed-MP (Zeng et al. 2024): FedCLIP + client residuals, adaptive aggregation, multimodal prototyping."""
 
     name = "fed-mp"
+    state_keys = {
+        "eval_round": "server: int, the round whose weights the next evaluation sees (its test query order)",
+        "agg_weights": "server: {client id (str): weight} the last round's adaptive aggregation weights (adaptive)",
+    }
     shardable = True
     no_stack_reason = (
         "FedCLIP's adapter MLP, not a {W, b} head, with per-client residuals and a keep-if-better local validation; "

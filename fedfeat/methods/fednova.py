@@ -105,6 +105,9 @@ class FedNova(LinearHead):
     """FedNova (Wang et al. 2020): local SGD, updates normalised by each client's local steps before averaging."""
 
     name = "fednova"
+    state_keys = {
+        "v": "server: {name: tensor like the head} momentum buffer (gmf), in units of update / lr, or None"
+    }
     shardable = True  # no per-sample state; aggregate sees every client's parameters (engine.sharded_local)
     stack_loss = "ce"  # + FedProx's term when mu > 0; its normalised aggregation per run
     Params = FedNovaParams

@@ -258,6 +258,9 @@ class FedOTP(PromptMethod):
     """FedOTP (Li et al. 2024): global + local CoOp prompts per client, matched to patch features by OT."""
 
     name = "fedopt"
+    state_keys = {
+        "client_local": "per-client: [C, n_ctx, W] each client's local CoOp prompt (never aggregated)"
+    }
     Params = FedOTPParams
     uses_labels = True
     needs_pixels = True

@@ -171,6 +171,11 @@ class FSTCBDG(LinearHead):
 
     name = "fst-cbdg"
     Params = FSTCBDGParams
+    state_keys = {
+        "q": "per-sample: [N, K] soft pseudo-labels (zero-shot softmax at set-up, updated by local training)",
+        "last_clients": "server: list of [m] int64 the last round's participants (for the pseudo-label accuracy)",
+        "last_round": "server: int, the round last_clients belongs to",
+    }
     uses_labels = False
     stack_loss = "fst"  # per-run soft labels [R, N, K] and synthetic draws
 

@@ -76,6 +76,9 @@ class FedAvgM(FedAvg):
     """FedAvgM (Hsu et al. 2019): FedAvg with server momentum on the averaged update."""
 
     name = "fedavgm"
+    state_keys = {
+        "v": "server: {name: tensor like the head} server momentum of the pseudo-gradient (None before)"
+    }
     shardable = True
     stack_loss = "ce"  # server momentum: its server_update, per run
     Params = FedAvgMParams

@@ -256,6 +256,12 @@ class PromptMethod(Method):
 
     needs_live_text = True
     runs_on = "cache + live text encoder"
+    state_keys = {  # pseudo_label (pseudo != "none") and epoch_begin
+        "pseudo_rows": "per-sample: [N_kept] int64 original client-major positions of the pseudo-labelled rows kept",
+        "pseudo_labels": "per-sample: [N_kept] int64 hard pseudo-labels of the kept rows (fpl, copl)",
+        "pseudo_candidates": "per-sample: [N_kept, K] bool candidate label sets of the kept rows (cpl)",
+        LR_STEPS: "server: int client-epochs run so far, the carried cosine-epoch scheduler's count",
+    }
     no_stack_reason = (
         "a live encoder: a step is the text (and image) encoder's forward of each run's prompts; stacking would be a "
         "larger encoder batch, not less overhead"

@@ -363,6 +363,10 @@ class FedTPG(PromptFL):
     """FedTPG (Qiu et al. 2024): a text-driven prompt generator shared by all clients, FedAvg of the generator."""
 
     name = "fedtpg"
+    state_keys = {  # optimizer_state="per-client"
+        CLIENT_MOMENTUM: "per-client: {name: [C, *param shape]} each client's SGD momentum buffers",
+        CLIENT_ROUNDS: "per-client: [C] int64 rounds each client has run (its scheduler's step)",
+    }
     shardable = True
     Params = FedTPGParams
     uses_labels = True

@@ -131,6 +131,10 @@ class RatioLoss(LinearHead):
     """Ratio Loss: class weights from the server's gradient-ratio monitor on balanced auxiliary data."""
 
     name = "ratio-loss"
+    state_keys = {
+        "weights": "server: [K] class weights of the local CE from the ratio monitor (round 1: ones)",
+        "ratio": "server: [K] the monitor's last gradient ratios Ra (None before round 1 ends)",
+    }
     Params = RatioLossParams
     shardable = True  # the weights are a deterministic server step; local training reads them only
     stack_loss = "weighted"  # per-run class weights of its monitor (torch program); the monitor per run

@@ -208,6 +208,13 @@ def mean_probs(
     return out
 
 
+# the ``ctx.state`` keys of a server that distils the averaged head (FedDF, FedBE), which ``distill_metrics`` reads
+DISTILL_STATE: dict[str, str] = {
+    "fedavg_head": "server: {'W': [K, D], 'b': [K]} the round's FedAvg head before distillation (None before round 1)",
+    "info": "server: {figure: number} the round's distillation figures (steps, loss, server rows), for round_metrics",
+}
+
+
 # ---------------------------------------------------------------------------------------------- distillation
 @dataclass(frozen=True)
 class DistillConfig:

@@ -409,6 +409,15 @@ class CReFF(LinearHead):
     """CReFF: federated features matched to clients' per-class gradients; the server re-trains the head."""
 
     name = "creff"
+    state_keys = {
+        "syn": "server: [K*m, D] federated features, class-major, matched to the clients' gradients",
+        "syn_y": "server: [K*m] int64 class of each federated feature",
+        "head": "server: {'W': [K, D], 'b': [K]} the head the clients' gradients are taken at (previous round's)",
+        "crt": "server: {'W': [K, D], 'b': [K]} the re-trained head that is evaluated (None until round 1 ends)",
+        "agg": "server: this round's per-class gradient sums and client counts (None between rounds)",
+        "info": "server: {figure: number} the round's synthesis / re-training figures, for round_metrics",
+        "uploads": "server: int (client, class) gradients uploaded in the last round (bytes-up count)",
+    }
     Params = CReFFParams
     uses_labels = True
     stack_loss = "ce"  # the local step only; the feature synthesis and classifier re-training per run
@@ -578,6 +587,9 @@ class CLIP2FL(CReFF):
     """CLIP2FL: CReFF + CLIP zero-shot distillation on clients + text-prototype contrast on the server."""
 
     name = "clip2fl"
+    state_keys = {
+        "z_clip": "per-sample: [N, K] CLIP teacher logits 100 cos(x, t_k), made once (only when K <= D)"
+    }
     Params = CLIP2FLParams
     stack_loss = "kd"  # CReFF's + CLIP distillation in the local loss, per-run kd_alpha / kd_temperature
 
