@@ -1,6 +1,6 @@
 """The method contract (``fedfeat.methods.base``): every registered method declares its capabilities with their
 declared types, a misspelled capability is refused at ``register``, stacking is declared on the method classes
-(``stack_loss``) with a reason where a method does not stack, and hooks read what the engine used (the round's
+(``stacks``) with a reason where a method does not stack, and hooks read what the engine used (the round's
 learning rate, each client's local steps)."""
 
 from __future__ import annotations
@@ -15,19 +15,16 @@ from fedfeat.engine.data import load_run_data
 from fedfeat.engine.rounds import run_federated
 from fedfeat.errors import FedfeatError
 from fedfeat.methods import REGISTRY, Method, register
-from fedfeat.methods.base import CAPABILITIES, STACK_LOSSES, capabilities, method_table
+from fedfeat.methods.base import CAPABILITIES, capabilities, method_table
 from fedfeat.methods.linear import FedAvg
 from fedfeat.partition.make import make_partition
 from fedfeat.store.synth import SynthParams, write_synthetic_store
 
 BUILT_IN = sorted(n for n, c in REGISTRY.items() if c.__module__.startswith("fedfeat.methods."))
 
-# what fedfeat.runs.stack stacked, and with which local loss, before the contract declared it on the classes
-STACKED = {
-    "fedavg": "ce", "fedavgm": "ce", "fedprox": "ce", "fednova": "ce", "fedavg-tau-norm": "ce", "fedntd": "ntd",
-    "fed-focal": "focal", "ratio-loss": "weighted", "fst-cbdg": "fst", "ccvr": "ce", "feddf": "ce", "fedbe": "ce",
-    "creff": "ce", "clip2fl": "kd",
-}  # fmt: skip
+# what fedfeat.runs.stack stacked before the contract declared it on the classes
+STACKED = {"fedavg", "fedavgm", "fedprox", "fednova", "fedavg-tau-norm", "fedntd", "fed-focal", "ratio-loss",
+           "fst-cbdg", "ccvr", "feddf", "fedbe", "creff", "clip2fl"}  # fmt: skip
 
 
 def _ok(typ, v) -> bool:
@@ -35,7 +32,6 @@ def _ok(typ, v) -> bool:
     return {
         "bool": lambda: isinstance(v, bool),
         "str": lambda: isinstance(v, str),
-        "stack_loss": lambda: v is None or v in STACK_LOSSES,
         "hook": lambda: v is None or callable(v),
         "names": lambda: isinstance(v, tuple) and all(isinstance(x, str) for x in v),
     }[typ]()
@@ -44,7 +40,7 @@ def _ok(typ, v) -> bool:
 KIND = {
     "uses_labels": "bool", "runs_on": "str", "federated": "bool", "centralized": "bool", "needs_partition": "bool",
     "needs_live_text": "bool", "needs_pixels": "bool", "shardable": "bool", "benchmark_logits": "hook",
-    "local_accuracies": "hook", "stack_loss": "stack_loss", "no_stack_reason": "str", "stack_shape": "names",
+    "local_accuracies": "hook", "stacks": "bool", "no_stack_reason": "str", "stack_shape": "names",
 }  # fmt: skip
 
 
@@ -70,18 +66,18 @@ def test_registered_capabilities_have_their_declared_types(name):
 
 
 def test_stackable_set_is_declared_on_the_classes():
-    assert {m: REGISTRY[m].stack_loss for m in REGISTRY if REGISTRY[m].stack_loss} == STACKED == B.stackable()
+    assert {m for m in REGISTRY if REGISTRY[m].stacks} == STACKED == set(B.stackable())
     for m in BUILT_IN:
         cls = REGISTRY[m]
-        if cls.stack_loss is None:
+        if not cls.stacks:
             assert cls.no_stack_reason.strip() and "\n" not in cls.no_stack_reason, m
     rows = {r["name"]: r for r in method_table()}
-    assert rows["fedntd"]["stacks"] == "ntd" and rows["zeroshot"]["stacks"] == "no"
+    assert rows["fedntd"]["stacks"] == "yes" and rows["zeroshot"]["stacks"] == "no"
     assert rows["fedopt"]["capabilities"]["needs_pixels"] is True
 
 
-def test_shardable_and_stack_loss_are_not_inherited():
-    """A subclass of FedAvg may change its local training: it declares shardable / stack_loss itself."""
+def test_shardable_and_stacks_are_not_inherited():
+    """A subclass of FedAvg may change its local training: it declares shardable / stacks itself."""
 
     class Sub(FedAvg):
         name = "contract-sub"
@@ -89,13 +85,13 @@ def test_shardable_and_stack_loss_are_not_inherited():
     class Again(FedAvg):
         name = "contract-again"
         shardable = True
-        stack_loss = "ce"
+        stacks = True
 
-    assert FedAvg.shardable and FedAvg.stack_loss == "ce"
+    assert FedAvg.shardable and FedAvg.stacks is True
     # not inherited: Sub starts from the defaults; every other capability is inherited
-    assert Sub.shardable is False and Sub.stack_loss is None and Sub.uses_labels is True
-    assert capabilities(Again)["shardable"] is True and Again.stack_loss == "ce"
-    assert REGISTRY["centralized"].shardable is False and REGISTRY["centralized"].stack_loss is None
+    assert Sub.shardable is False and Sub.stacks is False and Sub.uses_labels is True
+    assert capabilities(Again)["shardable"] is True and Again.stacks is True
+    assert REGISTRY["centralized"].shardable is False and REGISTRY["centralized"].stacks is False
 
 
 def _cls(attrs: dict, base=Method):
@@ -107,7 +103,7 @@ def _cls(attrs: dict, base=Method):
     [
         ({"needs_live_txt": True}, "needs_live_text"),
         ({"sharable": True}, "shardable"),
-        ({"stack_los": "ce"}, "stack_loss"),
+        ({"stack": True}, "stacks"),
         ({"uses_label": False}, "uses_labels"),
         ({"run_on": "pixels"}, "runs_on"),
     ],
@@ -131,7 +127,7 @@ def test_a_misspelling_in_a_base_class_is_refused_too():
     [
         ({"needs_live_text": 1}, "needs_live_text = 1 must be bool"),
         ({"federated": "no"}, "federated = 'no' must be bool"),
-        ({"stack_loss": "mse"}, "stack_loss = 'mse' must be one of"),
+        ({"stacks": "yes"}, "stacks = 'yes' must be bool"),
         ({"stack_shape": ["batch_size"]}, "stack_shape = ['batch_size'] must be a tuple of str"),
         ({"benchmark_logits": True}, "benchmark_logits = True must be a method"),
         ({"no_stack_reason": "two\nlines"}, "no_stack_reason must be one line"),
@@ -155,7 +151,7 @@ def test_plugins_in_todays_attribute_style_still_register():
     try:
         assert register(cls) is cls
         c = capabilities(cls)
-        assert c["needs_live_text"] is True and c["local_accuracies"] is scores and c["stack_loss"] is None
+        assert c["needs_live_text"] is True and c["local_accuracies"] is scores and c["stacks"] is False
     finally:
         REGISTRY.pop("contract-typo", None)
 

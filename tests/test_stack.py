@@ -11,6 +11,7 @@ from fedfeat.engine.data import load_run_data
 from fedfeat.engine.rounds import run_federated
 from fedfeat.errors import FedfeatError
 from fedfeat.methods import get_method
+from fedfeat.methods.base import stackable
 from fedfeat.partition.make import make_partition
 from fedfeat.runs.stack import run_stacked
 from fedfeat.store.featurestore import FeatureStore
@@ -247,3 +248,22 @@ def test_sweep_stacks_into_ordinary_run_directories(tmp_path, method, sets):
         assert wa == wb
         for key in ("test_acc", "train_loss", "pseudo_label_acc", "fedavg_head_acc", "clients"):
             assert [x.get(key) for x in ra] == [x.get(key) for x in rb], key
+
+
+@pytest.mark.parametrize("name", sorted(stackable()))
+def test_torch_stack_is_each_methods_own_step_loss(data, name):
+    """The engine's stacked torch program runs each run's own ``step_loss`` and optimiser in lockstep (one
+    ``autograd.grad`` for all runs; the gradient of a sum is each run's own): stacked = alone bit for bit, on float32
+    data, for every stackable method (a method that stacks needs nothing written for it in ``runs/stack.py``)."""
+    small = {"ratio-loss": {"aux_per_class": "5"}, **SERVER_STEP}
+    base = {**small.get(name, {}), "local_epochs": "2", "batch_size": "16"}
+    other = {**base, "lr": "0.05", "momentum": "0"}
+    methods = [get_method(name, base), get_method(name, other), get_method(name, base)]
+    cases = [(base, 0, 0.5), (other, 1, 0.5), (base, 2, 1.0)]
+    got = run_stacked(methods, data, rounds=2, participation=[c[2] for c in cases], seeds=[c[1] for c in cases],
+                      kernel="torch")  # fmt: skip
+    for (sets, seed, part), (w, rows) in zip(cases, got):
+        want_w, want_rows = _one_by_one(name, sets, seed, part, data, 2)
+        for k in want_w:
+            assert torch.equal(w[k], want_w[k]), (name, k)
+        assert [r["train_loss"] for r in rows] == [r["train_loss"] for r in want_rows]

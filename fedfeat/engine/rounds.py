@@ -105,37 +105,62 @@ def run_local(
         )
         method.local_end(ctx, plan, local, params)
         return params, {"loss_sum": loss, "loss_steps": int(plan.steps.sum()) * plan.epochs}
-    labels = ctx.labels
-    D = ctx.feats.shape[1]
-    xbuf = torch.empty(m * plan.batch_size, D, dtype=ctx.feats.dtype, device=ctx.device)
-    loss_sum = torch.zeros(
-        (), dtype=torch.float64, device=ctx.device
-    )  # summed on the device: no sync per step
-    loss_n = 0
+    prog = TorchLocal(method, ctx, plan, params, opt, local)
     for epoch in range(plan.epochs):
-        idx, mask = epoch_tables(ctx, plan, epoch)
-        # batch width per step: B, or less when every active client is on a smaller (last) batch -- clients
-        # with fewer samples than B cost their samples, not B padded rows
-        widths = mask.sum(-1).amax(-1).tolist()  # [S]
-        idx, mask = idx.to(ctx.device), mask.to(ctx.device)
-        method.epoch_begin(ctx, plan, local, epoch)
-        for s in range(idx.shape[0]):
-            n = plan.active(s)
-            B = int(widths[s])
-            ib = idx[s, :n, :B]  # [n, B]
-            x = torch.index_select(ctx.feats, 0, ib.reshape(-1), out=xbuf[: n * B]).view(n, B, D)
-            batch = Batch(x, mask[s, :n, :B], ib, n, epoch, s, labels[ib] if labels is not None else None)
-            p = {k: v[:n].detach().requires_grad_(True) for k, v in params.items()}
-            loss = method.step_loss(ctx, p, batch, local)  # [n]
-            names = list(p)
-            grads = torch.autograd.grad(loss.sum(), [p[k] for k in names])
-            opt.step(params, dict(zip(names, grads)), n)
-            loss_sum += loss.detach().double().sum()
-            loss_n += n
+        for s in range(prog.begin_epoch(epoch)):
+            p, loss = prog.loss(s)
+            prog.step(p, loss, torch.autograd.grad(loss.sum(), list(p.values())))
     method.local_end(ctx, plan, local, params)
     if carried is not None:
         carried["state"] = opt.state
-    return params, {"loss_sum": float(loss_sum), "loss_steps": loss_n}
+    return params, {"loss_sum": float(prog.loss_sum), "loss_steps": prog.loss_n}
+
+
+class TorchLocal:
+    """One run's torch local update (``run_local``'s program), a step at a time: ``run_local`` drives one,
+    ``engine.stacked`` several runs in lockstep (one ``autograd.grad`` for all of them). Per epoch ``begin_epoch``
+    (its step tables and the method's ``epoch_begin``; returns the epoch's number of steps), then per step ``loss``
+    (the method's own ``step_loss`` on the active clients' batch) and ``step`` (the method's optimiser)."""
+
+    def __init__(self, method, ctx: Context, plan: RoundPlan, params: dict, opt, local: dict):
+        self.method, self.ctx, self.plan, self.local = method, ctx, plan, local
+        self.params, self.opt = params, opt
+        self.D = ctx.feats.shape[1]
+        self.xbuf = torch.empty(plan.m * plan.batch_size, self.D, dtype=ctx.feats.dtype, device=ctx.device)
+        # summed on the device: no sync per step
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
+        self.loss_n = 0
+
+    def begin_epoch(self, epoch: int) -> int:
+        ctx, plan = self.ctx, self.plan
+        idx, mask = epoch_tables(ctx, plan, epoch)
+        # batch width per step: B, or less when every active client is on a smaller (last) batch -- clients
+        # with fewer samples than B cost their samples, not B padded rows
+        self.widths = mask.sum(-1).amax(-1).tolist()  # [S]
+        self.idx, self.mask = idx.to(ctx.device), mask.to(ctx.device)
+        self.epoch = epoch
+        self.method.epoch_begin(ctx, plan, self.local, epoch)
+        return idx.shape[0]
+
+    def loss(self, s: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """``(the active clients' parameters as autograd leaves, their losses [n])`` of step ``s``."""
+        ctx, labels, D = self.ctx, self.ctx.labels, self.D
+        n = self.plan.active(s)
+        B = int(self.widths[s])
+        ib = self.idx[s, :n, :B]  # [n, B]
+        x = torch.index_select(ctx.feats, 0, ib.reshape(-1), out=self.xbuf[: n * B]).view(n, B, D)
+        batch = Batch(
+            x, self.mask[s, :n, :B], ib, n, self.epoch, s, labels[ib] if labels is not None else None
+        )
+        p = {k: v[:n].detach().requires_grad_(True) for k, v in self.params.items()}
+        self.n = n
+        return p, self.method.step_loss(ctx, p, batch, self.local)  # [n]
+
+    def step(self, p: dict, loss: torch.Tensor, grads) -> None:
+        """The optimiser's step with ``grads`` (of ``p``'s tensors, in its order) and the loss counted."""
+        self.opt.step(self.params, dict(zip(list(p), grads)), self.n)
+        self.loss_sum += loss.detach().double().sum()
+        self.loss_n += self.n
 
 
 def run_carried(method, ctx: Context, plan: RoundPlan, glob: dict) -> tuple[dict[str, torch.Tensor], dict]:

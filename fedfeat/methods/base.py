@@ -186,7 +186,7 @@ def method_table() -> list[dict]:
                 "labels": "yes" if caps["uses_labels"] else "no",
                 "runs_on": caps["runs_on"],
                 "kernels": "fused (CPU), torch" if cls(cls.Params()).has_fused() else "torch",
-                "stacks": caps["stack_loss"] or "no",
+                "stacks": "yes" if caps["stacks"] else "no",
                 "defaults": dataclasses.asdict(cls.Params()),
                 "capabilities": caps,
             }
@@ -195,11 +195,6 @@ def method_table() -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------------- capabilities
-# the local losses of fedfeat.runs.stack's program (its LOCAL_LOSS kinds)
-StackLoss = typing.Literal["ce", "ntd", "focal", "weighted", "fst", "kd"]
-STACK_LOSSES: tuple[str, ...] = typing.get_args(StackLoss)
-
-
 class Capability:
     """One declared capability of a method: a class attribute of ``Method`` with a type, a default and one line of
     doc. A method sets it as a plain class attribute (``needs_live_text = True``); ``register`` checks its type.
@@ -278,16 +273,16 @@ def capabilities(cls) -> dict:
 
         >>> from fedfeat.methods import REGISTRY
         >>> c = capabilities(REGISTRY["zeroshot"])
-        >>> c["federated"], c["needs_partition"], c["stack_loss"]
-        (False, False, None)
+        >>> c["federated"], c["needs_partition"], c["stacks"]
+        (False, False, False)
     """
     cls = cls if isinstance(cls, type) else type(cls)
     return {name: getattr(cls, name) for name in CAPABILITIES}
 
 
-def stackable() -> dict[str, str]:
-    """``{method name: stack_loss}`` of the registered methods whose runs stack (``fedfeat.runs.stack``)."""
-    return {name: cls.stack_loss for name, cls in REGISTRY.items() if cls.stack_loss is not None}
+def stackable() -> list[str]:
+    """The registered methods whose runs stack (``stacks = True``; ``fedfeat.engine.stacked``)."""
+    return [name for name, cls in REGISTRY.items() if cls.stacks]
 
 
 def check_capabilities(cls) -> None:
@@ -371,7 +366,7 @@ class Method:
     Capabilities (``CAPABILITIES``; ``capabilities(cls)`` lists a class's): class attributes the engine and the run
     layer read besides the hooks, each declared below with its type, default and one line of doc. Set them as plain
     class attributes (``needs_live_text = True``); ``register`` refuses a value of the wrong type and a misspelled
-    name. ``shardable`` and ``stack_loss`` are not inherited: a subclass declares them itself.
+    name. ``shardable`` and ``stacks`` are not inherited: a subclass declares them itself.
 
     Persistent state (``state_keys``): what a method keeps across rounds and checkpoints lives in ``ctx.state``, and
     every key it writes there is declared in the class attribute ``state_keys = {name: one line of doc}`` (what it
@@ -415,11 +410,11 @@ class Method:
         None,
         "(ctx, glob, test_y) -> per-client accuracies: per-client models score themselves",
     )
-    stack_loss = Capability(
-        StackLoss | None, None, "its local loss in fedfeat.runs.stack's program; None: its runs are not stacked",
-        inherited=False,
+    stacks = Capability(
+        bool, False, "a sweep may make its runs as one program (fedfeat.engine.stacked: its own step_loss / fused "
+        "kernel on every run's clients)", inherited=False,
     )  # fmt: skip
-    no_stack_reason = Capability(str, "", "why its runs are not stacked (one line; stack_loss None)")
+    no_stack_reason = Capability(str, "", "why its runs are not stacked (one line; stacks False)")
     stack_shape = Capability(
         tuple[str, ...],
         ("batch_size", "local_epochs", "normalize", "templates", "renormalize_synthetic"),
@@ -565,7 +560,6 @@ __all__ = [
     "Capability",
     "Method",
     "REGISTRY",
-    "STACK_LOSSES",
     "capabilities",
     "check_state_keys",
     "get_method",

@@ -144,7 +144,7 @@ class CCVR(LinearHead):
     }
     Params = CCVRParams
     shardable = True  # FedAvg locally; the calibration is a deterministic server step on every rank
-    stack_loss = "ce"  # FedAvg's local step; the classifier calibration per run, as alone
+    stacks = True  # FedAvg's local step; the classifier calibration per run, as alone
 
     def statistics(self, ctx: Context) -> dict:
         """Every client's class statistics, merged (Eq. 3-4), and the virtual representations drawn from them

@@ -176,7 +176,7 @@ class FedBE(LinearHead):
     state_keys = DISTILL_STATE  # (serverdata) the FedAvg head and the distillation's figures
     Params = FedBEParams
     shardable = True  # the server step sees every client's head (aggregate), and is deterministic
-    stack_loss = "ce"  # FedAvg's local step; the Bayesian ensemble distillation per run, as alone
+    stacks = True  # FedAvg's local step; the Bayesian ensemble distillation per run, as alone
 
     def server_set(self, ctx: Context):
         if "fedbe_set" not in ctx.cache:  # drawn once (derived, not checkpointed)

@@ -134,7 +134,7 @@ class FedDF(LinearHead):
     state_keys = DISTILL_STATE  # (serverdata) the FedAvg head and the distillation's figures
     Params = FedDFParams
     shardable = True  # the server step sees every client's head (aggregate), and is deterministic
-    stack_loss = "ce"  # FedAvg's local step; the ensemble distillation per run, as alone
+    stacks = True  # FedAvg's local step; the ensemble distillation per run, as alone
 
     def sets(self, ctx: Context) -> dict:
         """The validation split and the distillation set (drawn once; ``ctx.cache``: derived, not checkpointed)."""

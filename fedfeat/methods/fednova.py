@@ -109,7 +109,7 @@ class FedNova(LinearHead):
         "v": "server: {name: tensor like the head} momentum buffer (gmf), in units of update / lr, or None"
     }
     shardable = True  # no per-sample state; aggregate sees every client's parameters (engine.sharded_local)
-    stack_loss = "ce"  # + FedProx's term when mu > 0; its normalised aggregation per run
+    stacks = True  # + FedProx's term when mu > 0; its normalised aggregation per run
     Params = FedNovaParams
 
     def setup(self, ctx: Context) -> None:

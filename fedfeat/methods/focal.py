@@ -63,7 +63,7 @@ class FedFocal(LinearHead):
 
     name = "fed-focal"
     shardable = True  # no per-sample state: torchrun may shard its clients (engine.sharded_local)
-    stack_loss = "focal"  # per-run gamma (no fused kernel: the torch program)
+    stacks = True  # per-run gamma (no fused kernel: the torch program)
     Params = FedFocalParams
 
     def sample_loss(self, ctx: Context, z: torch.Tensor, y: torch.Tensor, local: dict) -> torch.Tensor:

@@ -177,7 +177,7 @@ class FSTCBDG(LinearHead):
         "last_round": "server: int, the round last_clients belongs to",
     }
     uses_labels = False
-    stack_loss = "fst"  # per-run soft labels [R, N, K] and synthetic draws
+    stacks = True  # per-run soft labels [R, N, K] and synthetic draws
 
     # ------------------------------------------------------------------ state
     def setup(self, ctx: Context) -> None:

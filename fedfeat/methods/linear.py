@@ -24,7 +24,7 @@ class FedAvg(LinearHead):
 
     name = "fedavg"
     shardable = True  # no per-sample state: torchrun may shard its clients (engine.sharded_local)
-    stack_loss = "ce"
+    stacks = True
 
 
 @register
@@ -50,7 +50,7 @@ class FedProx(LinearHead):
 
     name = "fedprox"
     shardable = True
-    stack_loss = "ce"  # + (mu / 2) ||theta - theta_g||^2, per-run mu
+    stacks = True  # + (mu / 2) ||theta - theta_g||^2, per-run mu
     Params = FedProxParams
 
     def local_begin(self, ctx, plan, glob):
@@ -80,7 +80,7 @@ class FedAvgM(FedAvg):
         "v": "server: {name: tensor like the head} server momentum of the pseudo-gradient (None before)"
     }
     shardable = True
-    stack_loss = "ce"  # server momentum: its server_update, per run
+    stacks = True  # server momentum: its server_update, per run
     Params = FedAvgMParams
 
     def setup(self, ctx):
@@ -130,7 +130,7 @@ class FedNTD(LinearHead):
 
     name = "fedntd"
     shardable = True
-    stack_loss = "ntd"  # per-run tau, beta
+    stacks = True  # per-run tau, beta
     Params = FedNTDParams
 
     def local_begin(self, ctx, plan, glob):

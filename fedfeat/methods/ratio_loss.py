@@ -137,7 +137,7 @@ class RatioLoss(LinearHead):
     }
     Params = RatioLossParams
     shardable = True  # the weights are a deterministic server step; local training reads them only
-    stack_loss = "weighted"  # per-run class weights of its monitor (torch program); the monitor per run
+    stacks = True  # per-run class weights of its monitor (torch program); the monitor per run
 
     def aux(self, ctx: Context):
         """The labelled, class-balanced auxiliary set, class-major: ``[K, A, D]`` (drawn once; ``ctx.cache``)."""

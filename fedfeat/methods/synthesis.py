@@ -420,7 +420,7 @@ class CReFF(LinearHead):
     }
     Params = CReFFParams
     uses_labels = True
-    stack_loss = "ce"  # the local step only; the feature synthesis and classifier re-training per run
+    stacks = True  # the local step only; the feature synthesis and classifier re-training per run
 
     # ------------------------------------------------------------------ server state
     def setup(self, ctx: Context) -> None:
@@ -591,7 +591,7 @@ class CLIP2FL(CReFF):
         "z_clip": "per-sample: [N, K] CLIP teacher logits 100 cos(x, t_k), made once (only when K <= D)"
     }
     Params = CLIP2FLParams
-    stack_loss = "kd"  # CReFF's + CLIP distillation in the local loss, per-run kd_alpha / kd_temperature
+    stacks = True  # CReFF's + CLIP distillation in the local loss, per-run kd_alpha / kd_temperature
 
     def setup(self, ctx: Context) -> None:
         super().setup(ctx)

@@ -65,7 +65,7 @@ class FedAvgTauNorm(LinearHead):
 
     name = "fedavg-tau-norm"
     shardable = True  # no per-sample state: torchrun may shard its clients (engine.sharded_local)
-    stack_loss = "ce"  # FedAvg's training; the tau-normalised head evaluated per run (its predict)
+    stacks = True  # FedAvg's training; the tau-normalised head evaluated per run (its predict)
     Params = TauNormParams
 
     def normalized(self, glob: dict) -> dict[str, torch.Tensor]:

@@ -2,25 +2,20 @@
 
 A sweep's runs that read the same data (same store, partition, ``normalize`` / ``templates`` and batch
 geometry: ``batch_size``, ``local_epochs``, ``rounds``) but differ in their seed (client sampling, shuffles, the
-method's own draws), participation or hyperparameters are made together: every run's round plan (its sampled
-clients, their shuffled mini-batches, FST-CBDG's synthetic tables and noise) is exactly the one its own run would
-make, and the ``R`` runs' clients become ``R x m`` *virtual clients* of one round program -- one gather, one
-batched product, one optimizer step per local step for all runs, one evaluation product per round for all runs.
-What differs between runs rides along as per-virtual-client tensors (learning rate, momentum, weight decay,
-logit scale, FedProx's / FedNova's ``mu``, FedNTD's ``tau`` / ``beta``, Fed-Focal's ``gamma``, Ratio Loss's class
-weights, CLIP2FL's ``kd_alpha`` / ``kd_temperature`` / teacher logits, FST-CBDG's ``beta`` / ``lam`` / ``sigma`` /
-``self_training``); per-sample state (FST-CBDG's soft labels) gets a run axis ``[R, N, K]``. Everything else a run
-does is its own method's hook, called per run with its own context (state, cache, seed) as alone: ``round_begin``,
-``local_begin`` / ``local_end``, ``aggregate``, ``server_update``, ``round_metrics``, ``final_weights``; a method
-with its own ``predict`` (tau-norm's normalised head, CCVR's calibrated one, CReFF's re-trained one) is evaluated
-per run, the plain linear heads in one product.
+method's own draws), participation or hyperparameters are made together. The round program is the engine's
+(``fedfeat.engine.stacked``): every run keeps its own method and context, its round plan is exactly the one its own
+run would make, and its own hooks run on its clients -- ``step_loss`` included, so no method's local loss is
+written twice. This module groups: which runs stack (``stack_key``), and for the fused CPU kernels
+(``kernel="fused"``) the one compiled call per epoch over all runs' ``R x m`` virtual clients
+(``kernels.stacked_epoch``, each method's own fused kernel; FST-CBDG's soft labels get a run axis ``[R, N, K]``).
+A method with its own ``predict`` (tau-norm's normalised head, CCVR's calibrated one, CReFF's re-trained one) is
+evaluated per run, the plain linear heads in one product.
 
-Stacked results equal the runs made one by one (``tests/test_stack.py``: bit for bit with the fused CPU kernels;
-weights and metrics <= 1e-5 with the torch program). Each run's ``train_seconds`` is the stacked round's time
+Stacked results equal the runs made one by one (``tests/test_stack.py``: bit for bit with the fused CPU kernels
+and with the torch program, which runs each run's own ``step_loss`` and optimiser in lockstep). Each run's ``train_seconds`` is the stacked round's time
 divided by ``R``.
 
-Which methods stack: each method declares it (``Method.stack_loss``, the local loss this program runs for it, or
-``Method.no_stack_reason``; ``fedfeat methods`` shows both). BENCHMARKS.md "Stacked runs" measures each:
+Which methods stack: each method declares it (``Method.stacks``, or ``Method.no_stack_reason``; ``fedfeat methods`` shows both). BENCHMARKS.md "Stacked runs" measures each:
 
 | method | stacks | what is stacked / why not |
 |---|---|---|
@@ -41,61 +36,25 @@ by one (``fedfeat.runs.sweep`` groups them).
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import time
 from collections.abc import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from fedfeat.engine.context import epoch_tables, make_plan, masked_mean, param_bytes
-from fedfeat.engine.data import RunData, build_context
-from fedfeat.engine.rounds import check_finite, resolve_kernel
+from fedfeat.engine.data import RunData
+from fedfeat.engine.rounds import resolve_kernel
+from fedfeat.engine.stacked import run_stacked_rounds, virtual_clients
 from fedfeat.errors import FedfeatError
-from fedfeat.methods.fst_cbdg import synthetic_head
 from fedfeat.methods.base import stackable
-from fedfeat.methods.head import batched_linear
-from fedfeat.methods.linear import ntd_loss
+from fedfeat.methods.head import LinearHead
+
 
 def stack_key(method, extra: tuple = ()) -> tuple | None:
     """Runs with equal keys can be stacked (None: this method cannot)."""
-    if method.stack_loss is None:
+    if not method.stacks:
         return None
     return (method.name, *(getattr(method.p, k, None) for k in method.stack_shape), *extra)
-
-
-def _per_run(ms, name: str, default: float = 0.0) -> torch.Tensor:
-    return torch.tensor([float(getattr(m.p, name, default)) for m in ms], dtype=torch.float64)
-
-
-@dataclasses.dataclass
-class _Round:
-    """The virtual clients of one round: run ``vrun``, slot ``vslot`` in that run's plan, client ``vclient``."""
-
-    plans: list
-    vrun: torch.Tensor  # [V]
-    vslot: torch.Tensor  # [V]
-    steps: torch.Tensor  # [V] descending
-    where: list  # per run: [m_r] virtual index of each of its plan slots
-
-    def active(self, s: int) -> int:
-        return int((self.steps > s).sum())
-
-
-def _virtual(plans) -> _Round:
-    vrun = torch.cat([torch.full((p.m,), r, dtype=torch.int64) for r, p in enumerate(plans)])
-    vslot = torch.cat([torch.arange(p.m) for p in plans])
-    steps = torch.cat([p.steps for p in plans])
-    order = torch.argsort(-steps, stable=True)
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(len(order))
-    where, o = [], 0
-    for p in plans:
-        where.append(inv[o : o + p.m])
-        o += p.m
-    return _Round(plans, vrun[order], vslot[order], steps[order], where)
 
 
 def run_stacked(
@@ -131,328 +90,48 @@ def run_stacked(
     device = torch.device(device)
     kernel = resolve_kernel(kernel, methods[0], "batched", device)
     threads = torch.get_num_threads()
-    if (
-        kernel == "fused"
-    ):  # as engine.run_federated: the kernel owns the cores, torch's few ops run on one thread
+    fused = kernel == "fused"
+    if fused:  # as engine.run_federated: the kernel owns the cores, torch's few ops run on one thread
         torch.set_num_threads(1)
     try:
-        return _stacked(methods, data, rounds, parts, seeds, device, eval_every, on_round, kernel, threads)
+        return run_stacked_rounds(
+            methods, data, rounds=rounds, participation=parts, seeds=seeds, device=device, eval_every=eval_every,
+            on_round=on_round, threads=threads, local=_local_fused if fused else None,
+            setup=_stack_soft_labels if fused else None, plain_head=_plain_head,
+        )  # fmt: skip
     finally:
         torch.set_num_threads(threads)
 
 
-def _stacked(methods, data, rounds, parts, seeds, device, eval_every, on_round, kernel, threads):
-    R = len(methods)
-    name = methods[0].name
-    fst = name == "fst-cbdg"
-    p0 = methods[0].p
-    ctx0 = build_context(data, methods[0], seeds[0], device)
-    ctx0.threads = threads
-    ctx0.test_xT()  # made once; each run's own cache starts with it (a method's cache, e.g. ratio-loss's seeded
-    # auxiliary set, is the run's own as it is alone)
-    ctxs = [
-        dataclasses.replace(ctx0, seed=int(s), state={}, cache=dict(ctx0.cache), rounds=rounds) for s in seeds
-    ]
-    N, D, K = ctx0.feats.shape[0], ctx0.D, ctx0.K  # K: the soft labels' width
-    for m, c in zip(methods, ctxs):
-        m.setup(c)
-    if fst:  # the soft labels with a run axis; each run's context sees its own slice (a view)
-        Q = torch.stack([c.state["q"] for c in ctxs])  # [R, N, K]
-        for r, c in enumerate(ctxs):
-            c.state["q"] = Q[r]
-        Qflat = Q.view(R * N, K)
-    globs = [m.init_global(c) for m, c in zip(methods, ctxs)]
-    dt = ctx0.feats.dtype
-    hp = {
-        k: _per_run(methods, k).to(device=device, dtype=dt)
-        for k in (
-            "momentum",
-            "weight_decay",
-            "logit_scale",
-            "mu",
-            "tau",
-            "beta",
-            "lam",
-            "sigma",
-            "gamma",
-            "kd_alpha",
-            "kd_temperature",
-            "teacher_logit_scale",
-        )  # fmt: skip
-    }
-    hp["self_training"] = torch.tensor([float(getattr(m.p, "self_training", True)) for m in methods])
-    hp["self_training"] = hp["self_training"].to(device=device, dtype=dt)
-    syn_sum = torch.tensor([getattr(m.p, "synthetic_loss", "mean") == "sum" for m in methods], device=device)
-    results: list = [None] * R
-    rows: list[list[dict]] = [[] for _ in range(R)]
-    alive = [True] * R
-    test_y = data.test_y
-
-    def record(rnd, runs, extra, t0=None):
-        _record(methods, ctxs, data, globs, rows, on_round, rnd, runs, extra, eval_every, rounds, test_y, t0)
-
-    ok = [r for r in range(R) if _check(methods, ctxs, globs, 0, None, r, alive, results)]
-    record(0, ok, {r: _row0() for r in ok})
-    for rnd in range(1, rounds + 1):
-        t0 = time.perf_counter()
-        live = [r for r in range(R) if alive[r]]
-        if not live:
-            break
-        plans = {}
-        for r in live:
-            m, c = methods[r], ctxs[r]
-            m.round_begin(c, rnd, globs[r])
-            plans[r] = make_plan(c, rnd, m.sample(c, rnd, parts[r]), p0.batch_size, p0.local_epochs)
-        if kernel == "fused":
-            cparams, loss_sum, loss_n = _local_fused(
-                methods, ctxs, live, plans, globs, rnd, threads, fst, Q if fst else None
-            )
-        else:
-            cparams, loss_sum, loss_n = _local(
-                methods,
-                ctxs,
-                live,
-                plans,
-                globs,
-                hp,
-                syn_sum,
-                fst,
-                Qflat if fst else None,
-                N,
-                D,
-                rnd,
-                device,
-            )
-        for r in live:
-            new = methods[r].aggregate(ctxs[r], plans[r], globs[r], cparams[r])
-            globs[r] = methods[r].server_update(ctxs[r], plans[r], globs[r], new)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        train_seconds = (time.perf_counter() - t0) / len(live)
-        extra = {}
-        for r in live:
-            loss = loss_sum[r] / max(loss_n[r], 1)
-            if not _check(methods, ctxs, globs, rnd, loss, r, alive, results):
-                continue
-            extra[r] = {
-                "clients": plans[r].clients.sort().values.tolist(),
-                "train_loss": loss,
-                "bytes_up": methods[r].upload_bytes(ctxs[r], plans[r], cparams[r]),
-                "bytes_down": plans[r].m * param_bytes(methods[r].broadcast(ctxs[r], globs[r])),
-                "train_seconds": train_seconds,
-            }
-        record(rnd, list(extra), extra, t0)
-    for r in range(R):
-        if results[r] is None:
-            results[r] = (methods[r].final_weights(ctxs[r], globs[r]), rows[r])
-    return results
+def _plain_head(method) -> bool:
+    """The linear head's own ``predict``: evaluated in the stacked runs' one product."""
+    return type(method).predict is LinearHead.predict
 
 
-def _row0() -> dict:
-    return {"clients": [], "train_loss": None, "bytes_up": 0, "bytes_down": 0}
-
-
-def _check(methods, ctxs, globs, rnd, loss, r, alive, results) -> bool:
-    try:
-        check_finite(methods[r], ctxs[r], rnd, globs[r], loss)
-    except FedfeatError as e:
-        alive[r] = False
-        results[r] = e
-        return False
-    return True
-
-
-@torch.no_grad()
-def _record(
-    methods, ctxs, data, globs, rows, on_round, rnd, runs, extra, eval_every, rounds, test_y, t0=None
-):
-    """The runs' metric rows of round ``rnd``: one evaluation product for all of them (the heads stacked)."""
-    if not runs:
+def _stack_soft_labels(methods, ctxs) -> None:
+    """FST-CBDG's soft labels with a run axis ``[R, N, K]`` for its fused kernel; each run's context sees its own
+    slice (a view)."""
+    if methods[0].name != "fst-cbdg":
         return
-    t0 = time.perf_counter() if t0 is None else t0
-    skip = bool(rnd % eval_every) and rnd not in (0, rounds)
-    if not skip:
-        c0 = ctxs[runs[0]]
-        K = c0.K
-        from fedfeat.methods.head import LinearHead
-
-        plain = all(type(methods[r]).predict is LinearHead.predict for r in runs)  # else: its own predict
-        if plain and c0.local_test is None and c0.open_vocab is None and c0.val_mask is None:
-            W = torch.stack([globs[r]["W"] for r in runs])  # [r, K, D]
-            b = torch.stack([globs[r]["b"] for r in runs])
-            scale = torch.tensor([methods[r].p.logit_scale for r in runs], dtype=W.dtype, device=W.device)
-            # one product for all runs' heads: the test features are read once per round, not once per run; at
-            # R x K rows it is compute-bound, so it gets the run's threads (torch runs on one beside fused kernels)
-            one = torch.get_num_threads()
-            torch.set_num_threads(max(one, c0.threads))
-            try:
-                z = torch.addmm(b.reshape(-1, 1), W.reshape(-1, W.shape[2]), c0.test_xT()).view(
-                    len(runs), K, -1
-                )
-            finally:
-                torch.set_num_threads(max(one, c0.threads))
-            pred = (
-                (scale.view(-1, 1, 1) * z).transpose(1, 2).contiguous().argmax(-1)
-            )  # [r, Nt] (engine.evaluate)
-            correct = (pred == test_y.unsqueeze(0)).to(torch.float64)
-            per = torch.zeros(len(runs), K, dtype=torch.float64, device=test_y.device).index_add_(
-                1, test_y, correct
-            )
-            cnt = torch.bincount(test_y, minlength=K).to(torch.float64).clamp_min(1)
-            evs = [
-                {
-                    "acc": float(correct[i].mean()) * 100,
-                    "per_class_acc": [100 * v for v in (per[i] / cnt).tolist()],
-                    "pred": pred[i],
-                }
-                for i in range(len(runs))
-            ]
-        else:  # local test splits / open vocabulary / a method's own predict: each run's own evaluation
-            from fedfeat.engine.rounds import evaluate
-
-            evs = [evaluate(methods[r], ctxs[r], globs[r], test_y, K) for r in runs]
-    for i, r in enumerate(runs):
-        if skip:
-            row = {"round": rnd, "test_acc": None, **extra[r]}
-        else:
-            ev = evs[i]
-            row = {
-                "round": rnd,
-                "test_acc": ev["acc"],
-                "per_class_acc": ev["per_class_acc"],
-                **ev.get("extra", {}),
-            }
-            row.update(extra[r])
-            row.update(methods[r].round_metrics(ctxs[r], data, globs[r], ev))
-        row["seconds"] = time.perf_counter() - t0
-        rows[r].append(row)
-        if on_round:
-            on_round(r, row)
-
-
-def _local(methods, ctxs, live, plans, globs, hp, syn_sum, fst, Qflat, N, D, rnd, device):
-    """Every live run's local update as one program over the virtual clients; returns per run its clients'
-    parameters in its plan's order, and its loss sum and step count."""
-    rr = _virtual([plans[r] for r in live])
-    runs = torch.as_tensor(live, dtype=torch.int64)[rr.vrun]  # [V] run of each virtual client
-    V = len(runs)
-    p0, kind = methods[live[0]].p, methods[live[0]].stack_loss
-    B, E = p0.batch_size, p0.local_epochs
-    G = {k: torch.stack([globs[r][k] for r in range(len(globs))]) for k in ("W", "b")}  # [R, ...]
-    params = {k: G[k][runs].clone() for k in G}  # [V, ...]
-    opts = [methods[r].make_optimizer(rnd) for r in range(len(methods))]
-    dt, dev = params["W"].dtype, params["W"].device
-    lr = torch.tensor([o.lr for o in opts], dtype=dt, device=dev)[runs]
-    mom, wd = hp["momentum"][runs], hp["weight_decay"][runs]
-    scale, mu = hp["logit_scale"][runs], hp["mu"][runs]
-    bufs = {k: torch.zeros_like(v) for k, v in params.items()}
-    for r in live:  # the rate this round, as the engine gives it to a run made alone (Context.lr_round)
-        ctxs[r].lr_round = opts[r].lr
-    locs = {r: methods[r].local_begin(ctxs[r], plans[r], globs[r]) for r in live}
-    vruns = runs.to(dev)
-    prox = kind == "ce" and bool(hp["mu"][torch.as_tensor(live, device=hp["mu"].device)].any())
-    cw = zclip = None
-    if kind == "kd" and all(ctxs[r].state.get("z_clip") is not None for r in live):
-        zclip = torch.stack([ctxs[r].state["z_clip"] if r in locs else ctxs[live[0]].state["z_clip"]
-                             for r in range(len(methods))])  # fmt: skip
-    if (
-        kind == "weighted"
-    ):  # [R, K] the class weights each run's clients train with this round (local_begin's)
-        cw = torch.stack([locs[r]["w"] if r in locs else locs[live[0]]["w"] for r in range(len(methods))])
-    loss_acc = torch.zeros(V, dtype=torch.float64, device=dev)
-    steps_acc = torch.zeros(V, dtype=torch.int64)
-    xbuf = torch.empty(V * B, D, dtype=ctxs[0].feats.dtype, device=dev)
-    feats = ctxs[0].feats
-    for epoch in range(E):
-        S = int(rr.steps.max()) if V else 0
-        idx = torch.zeros(S, V, B, dtype=torch.int64)
-        mask = torch.zeros(S, V, B, dtype=torch.bool)
-        for j, r in enumerate(live):
-            i_r, m_r = epoch_tables(ctxs[r], plans[r], epoch)
-            idx[: i_r.shape[0], rr.where[j]] = i_r
-            mask[: i_r.shape[0], rr.where[j]] = m_r
-        widths = mask.sum(-1).amax(-1).tolist()
-        idx, mask = idx.to(dev), mask.to(dev)
-        syn = _syn_tables(methods, ctxs, live, plans, locs, rr, S, epoch, dev) if fst else None
-        for s in range(S):
-            n, Bw = rr.active(s), int(widths[s])
-            ib, mb = idx[s, :n, :Bw], mask[s, :n, :Bw]
-            x = torch.index_select(feats, 0, ib.reshape(-1), out=xbuf[: n * Bw]).view(n, Bw, D)
-            p = {k: v[:n].detach().requires_grad_(True) for k, v in params.items()}
-            z = scale[:n].view(n, 1, 1) * batched_linear(x, p["W"], p["b"])  # [n, B, K]
-            if fst:
-                loss = _fst_loss(
-                    methods,
-                    ctxs,
-                    live,
-                    z,
-                    p,
-                    ib,
-                    mb,
-                    vruns[:n],
-                    syn,
-                    hp,
-                    syn_sum,
-                    Qflat,
-                    N,
-                    s,
-                    epoch,
-                    rnd,
-                )
-            elif kind == "ntd":  # linear.ntd_loss, per-run tau and beta
-                with torch.no_grad():
-                    g = {k: G[k][runs[:n]] for k in G}
-                    zg = scale[:n].view(n, 1, 1) * (
-                        torch.bmm(x, g["W"].transpose(1, 2)) + g["b"].unsqueeze(1)
-                    )
-                loss = ntd_loss(z, zg, ctxs[0].labels[ib], mb, hp["tau"][vruns[:n]], hp["beta"][vruns[:n]])
-            elif kind == "kd":  # synthesis.CLIP2FL.step_loss: CE + kd_alpha KD(z, CLIP's logits), per run
-                ce = masked_mean(F.cross_entropy(z.transpose(1, 2), ctxs[0].labels[ib], reduction="none"), mb)
-                vr = vruns[:n]
-                if zclip is not None:  # each run's teacher table (clip2fl's setup), [R, N, K]
-                    zt = zclip[vr.view(n, 1), ib]
-                else:
-                    with torch.no_grad():
-                        zt = hp["teacher_logit_scale"][vr].view(n, 1, 1) * torch.matmul(x, ctxs[0].text.T)
-                loss = ce + hp["kd_alpha"][vr] * _kd(z, zt, hp["kd_temperature"][vr], mb)
-            elif kind == "focal":  # focal.focal_loss, per-run gamma
-                loss = masked_mean(_focal(z, ctxs[0].labels[ib], hp["gamma"][vruns[:n]]), mb)
-            else:
-                y = ctxs[0].labels[ib]
-                ce = F.cross_entropy(z.transpose(1, 2), y, reduction="none")
-                if (
-                    kind == "weighted"
-                ):  # ratio_loss: (alpha + beta Ra_y) CE, each run's class weights of the round
-                    ce = torch.gather(cw[vruns[:n]], 1, y) * ce
-                loss = masked_mean(ce, mb)
-                if prox:
-                    g = {k: G[k][runs[:n]] for k in G}
-                    loss = loss + 0.5 * mu[:n] * sum(((p[k] - g[k]) ** 2).flatten(1).sum(1) for k in p)
-            grads = torch.autograd.grad(loss.sum(), [p["W"], p["b"]])
-            _sgd(params, dict(zip(("W", "b"), grads)), bufs, n, lr, mom, wd, first=(epoch == 0 and s == 0))
-            loss_acc[:n] += loss.detach().double()
-            steps_acc[:n] += 1
-    out, lsum, lcount = {}, {}, {}
-    loss_acc, steps_acc = loss_acc.cpu(), steps_acc
-    for j, r in enumerate(live):
-        w = rr.where[j]
-        out[r] = {k: v[w.to(dev)] for k, v in params.items()}
-        lsum[r] = float(loss_acc[w].sum())
-        lcount[r] = int(steps_acc[w].sum())
-        methods[r].local_end(ctxs[r], plans[r], locs[r], out[r])
-    return out, lsum, lcount
+    Q = torch.stack([c.state["q"] for c in ctxs])
+    for r, c in enumerate(ctxs):
+        c.state["q"] = Q[r]
+        c.cache["stacked soft labels"] = Q
 
 
 @torch.no_grad()
-def _local_fused(methods, ctxs, live, plans, globs, rnd, threads, fst, Q):
-    """``_local`` in the methods' compiled CPU kernels (``kernels.stacked_epoch``): every virtual client runs the
-    very code of its run's own fused kernel, so a stacked run equals its one-by-one fused run bit for bit."""
+def _local_fused(methods, ctxs, live, plans, globs, rnd, threads):
+    """The live runs' local updates in the methods' compiled CPU kernels (``kernels.stacked_epoch``; the engine's
+    ``stacked.torch_local`` otherwise): every virtual client runs the very code of its run's own fused kernel, so a
+    stacked run equals its one-by-one fused run bit for bit."""
+    fst = methods[0].name == "fst-cbdg"
+    Q = ctxs[0].cache["stacked soft labels"] if fst else None  # [R, N, K] (_stack_soft_labels)
     from fedfeat.engine import kernels, rng
     from fedfeat.engine.context import round_buffer, shuffle_key
     from fedfeat.methods.fst_cbdg import _pool, bank_rows
 
     R = len(methods)
-    rr = _virtual([plans[r] for r in live])
+    rr = virtual_clients([plans[r] for r in live])
     vrun = np.asarray(live, np.int64)[rr.vrun.numpy()]  # the run of each virtual client
     V = len(vrun)
     ctx0 = ctxs[live[0]]
@@ -552,108 +231,6 @@ def _local_fused(methods, ctxs, live, plans, globs, rnd, threads, fst, Q):
         lcount[r] = int(steps[w.numpy()].sum()) * E
         methods[r].local_end(ctxs[r], plans[r], locs[r], out[r])
     return out, lsum, lcount
-
-
-def _kd(z: torch.Tensor, zt: torch.Tensor, T: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``synthesis.kd_loss`` with one temperature per client (``[n]``) -> ``[n]``."""
-    t = T.view(-1, 1, 1)
-    lt = F.log_softmax(zt / t, -1)
-    kl = (lt.exp() * (lt - F.log_softmax(z / t, -1))).sum(-1)  # [n, B]
-    return T * T * masked_mean(kl, mask)
-
-
-def _focal(z: torch.Tensor, y: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
-    """``focal.focal_loss`` with one ``gamma`` per client (``[n]``) -> ``[n, B]``."""
-    logpt = F.log_softmax(z, dim=-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
-    mod = (1 - logpt.exp()).clamp_min(torch.finfo(z.dtype).tiny) ** gamma.view(-1, 1)
-    return torch.where(gamma.view(-1, 1) == 0, -logpt, -mod * logpt)
-
-
-@torch.no_grad()
-def _sgd(params, grads, bufs, n, lr, mom, wd, first):
-    """``torch.optim.SGD`` per virtual client (``optim.BatchedSGD``'s rule) with per-client lr / momentum / wd."""
-    for k, g in grads.items():
-        p = params[k][:n]
-        shape = (n, *([1] * (g.dim() - 1)))
-        d = g.contiguous() + wd[:n].view(shape) * p
-        if first:
-            bufs[k][:n] = d
-        else:
-            bufs[k][:n] = mom[:n].view(shape) * bufs[k][:n] + d
-        p.sub_(lr[:n].view(shape) * bufs[k][:n])
-
-
-def _syn_tables(methods, ctxs, live, plans, locs, rr, S, epoch, dev):
-    """Each run's synthetic tables of this epoch (``FSTCBDG.epoch_begin``) on the virtual client axis."""
-    tabs = []
-    for r in live:
-        methods[r].epoch_begin(ctxs[r], plans[r], locs[r], epoch)
-        tabs.append(locs[r]["syn"])
-    P = max((t["cls"].shape[2] for t in tabs if t is not None), default=0)
-    if P == 0:
-        return None
-    V = len(rr.vrun)
-    cls = torch.zeros(S, V, P, dtype=torch.int64, device=dev)
-    msk = torch.zeros(S, V, P, dtype=torch.bool, device=dev)
-    sign = torch.zeros(S, V, P, dtype=ctxs[0].text.dtype, device=dev)
-    for j, t in enumerate(tabs):
-        if t is None:
-            continue
-        s_r, _, p_r = t["cls"].shape
-        w = rr.where[j].to(dev)
-        cls[:s_r, w, :p_r] = t["cls"]
-        msk[:s_r, w, :p_r] = t["mask"]
-        sign[:s_r, w, :p_r] = t["sign"]
-    return {"cls": cls, "mask": msk, "sign": sign}
-
-
-def _fst_loss(methods, ctxs, live, z, p, ib, mb, vr, syn, hp, syn_sum, Qflat, N, s, epoch, rnd):
-    """FST-CBDG's step loss (``FSTCBDG.step_loss``) over virtual clients with per-run soft labels and draws."""
-    n = z.shape[0]
-    gpos = vr.view(n, 1) * N + ib  # rows of the stacked soft labels
-    beta = hp["beta"][vr]
-    with torch.no_grad():
-        f = F.softmax(z.detach(), dim=-1)
-        bm = beta.view(n, 1).expand_as(mb)[mb].unsqueeze(1)
-        rows = gpos[mb]
-        Qflat[rows] = bm * Qflat[rows] + (1 - bm) * f[mb]
-    q = Qflat[gpos]
-    st = masked_mean(-(q * F.log_softmax(z, dim=-1)).sum(-1), mb)
-    loss = hp["self_training"][vr] * st
-    if syn is None or s >= syn["cls"].shape[0]:
-        return loss
-    smask = syn["mask"][s, :n]
-    if not bool(smask.any()):
-        return loss
-    P = int(smask.sum(1).max())
-    cls, smask, sign = syn["cls"][s, :n, :P], smask[:, :P], syn["sign"][s, :n, :P]
-    # each run's noise bank of this step (runs with one seed share it); W eps^T per bank, over its clients only
-    W, b = p["W"], p["b"]
-    K, D = W.shape[1], W.shape[2]
-    seeds = torch.tensor([ctxs[r].seed for r in live])
-    run_pos = torch.empty(max(live) + 1, dtype=torch.int64)
-    run_pos[torch.as_tensor(live)] = torch.arange(len(live))
-    vseed = seeds[run_pos[vr.cpu()]]  # [n]
-    WE = W.new_empty(n, K, P)
-    ev = W.new_empty(n, P, D) if methods[live[0]].p.renormalize_synthetic else None
-    for sd in vseed.unique().tolist():
-        r = live[int((seeds == sd).nonzero()[0, 0])]
-        eps = methods[r]._noise(ctxs[r], rnd, epoch, s, P)  # [P, D]
-        sel = (vseed == sd).nonzero().squeeze(1).to(W.device)
-        Ws = W.index_select(0, sel)
-        WE.index_copy_(0, sel, torch.matmul(Ws.reshape(-1, D), eps.T).view(len(sel), K, P))
-        if ev is not None:
-            ev.index_copy_(0, sel, eps.expand(len(sel), P, D))
-    renorm = None
-    if ev is not None:
-        te = torch.bmm(ctxs[0].text.unsqueeze(0).expand(n, -1, -1), ev.transpose(1, 2))  # [n, K, P]
-        renorm = (torch.gather(te, 1, cls.unsqueeze(1)).squeeze(1), (ev * ev).sum(2))
-    sigma = (hp["sigma"][vr] / math.sqrt(D)).view(n, 1, 1)
-    zs = synthetic_head(W, b, ctxs[0].text, cls, sign, WE, sigma, hp["logit_scale"][vr].view(n, 1, 1), renorm)
-    ce = F.cross_entropy(zs.transpose(1, 2), cls, reduction="none")  # [n, P]
-    summed = (ce * smask.to(ce.dtype)).sum(1)
-    mean = masked_mean(ce, smask)
-    return loss + hp["lam"][vr] * torch.where(syn_sum[vr], summed, mean)
 
 
 __all__ = ["run_stacked", "stack_key"]

@@ -27,7 +27,7 @@ partitions with their own parameters::
     alpha = 0.1
 
 **Stacking** (default; ``fedfeat sweep --no-stack`` turns it off): the pending runs of a stackable method
-(``Method.stack_loss``, ``fedfeat methods``: the linear heads and their baselines, FST-CBDG, CReFF / CLIP2FL, CCVR, FedDF,
+(``Method.stacks``, ``fedfeat methods``: the linear heads and their baselines, FST-CBDG, CReFF / CLIP2FL, CCVR, FedDF,
 FedBE; the others say why not, ``Method.no_stack_reason``) that agree on every run setting the run specification
 does not declare ``per_run`` (``fedfeat.spec.stack_key``: only seed, participation, name and output directory
 may differ) and on the hyperparameters that shape the data (``Method.stack_shape``) are made as one batched program along a run axis (``fedfeat.runs.stack``): their seeds,

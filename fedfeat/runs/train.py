@@ -414,7 +414,7 @@ def _train_locked(
 
 def stack_group(cfg: RunConfig) -> tuple | None:
     """Runs with equal groups can be made as one stacked program (``fedfeat.runs.stack``): a method that stacks
-    (``Method.stack_loss``) with equal data-shaping hyperparameters, and every run setting equal that the run
+    (``Method.stacks``) with equal data-shaping hyperparameters, and every run setting equal that the run
     specification does not declare ``per_run`` (``fedfeat.spec.stack_key``: seed, participation, name and
     output directory may differ; a new setting keeps runs apart until declared so). None: this run is made on its
     own (a method that does not stack, a setting's ``unstack`` reason such as the loop engine or local test splits,
