@@ -1,6 +1,9 @@
 """Pseudo-labellers for unsupervised prompt learning, reusable by any method (``promptfl --set pseudo=fpl|cpl``;
 FedCoPL's CoPL is to be the third).
 
+(Over ~600 lines on purpose: FPL's stream and CPL's pools share the ``Selection`` type and the segment-vectorised
+statistics below; one module keeps the two readings side by side.)
+
 A pseudo-labeller maps class probabilities ``probs  # [N, K]`` (zero-shot or current model) of client-major samples
 (client ``i`` owns rows ``segments[i]:segments[i + 1]``) to a training set, a ``Selection``: the rows kept and, per
 row, a candidate set ``[M, K]`` bool (FPL: the one-element set of its hard label; FPL's stream may keep a row

@@ -1,5 +1,8 @@
 """Server-side federated-feature synthesis and classifier re-training: CReFF and CLIP2FL, on cached features.
 
+(Over ~600 lines on purpose: CLIP2FL is CReFF plus one loss term, and the two share every step of the round below;
+splitting them would put one algorithm's steps in two files.)
+
 CReFF (Shang et al., IJCAI 2022) and CLIP2FL (Shi et al., AAAI 2024, built on CReFF's code) as linear heads on
 L2-normalised frozen CLIP image features. One round (CLIP2FL Algorithm 1; reference code ``main.py``):
 

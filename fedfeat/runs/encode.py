@@ -1,5 +1,7 @@
 """Stage 1: images and class prompts through a frozen open_clip model into a feature store.
 
+(At ~600 lines: the crash-safe, resumable chunk loop and its torchrun sharding keep each other's invariants.)
+
 ``encode`` reads a dataset from disk (``fedfeat.data.files``), builds the model (``fedfeat.encoders.openclip``) and
 fills a ``FeatureStore`` at ``OUT/<dataset>/<backbone>-<weights>.zarr``:
 

@@ -1,6 +1,9 @@
 """Paper tables: ``fedfeat reproduce NAME`` runs a paper's grid (datasets x partitions x methods x seeds) in one
 process (``fedfeat.runs.sweep``) and prints it in the paper's layout, ours (mean ± std over seeds) beside the paper's.
 
+(Over ~600 lines on purpose: the tables' layout -- rows, columns, the paper's numbers beside ours, stand-in labels, n/a
+cells -- and their grids are one job; the tables themselves are data, ``tables/*.toml``.)
+
 Stores come from ``--store-root``: ``ROOT/<dataset>/<backbone>-*.zarr`` as ``fedfeat encode`` (and the
 ``make cache-...`` targets) write them; a missing one is named with the target that builds it. ``--synthetic``
 builds stand-in stores instead (``fedfeat synth``, shaped like each dataset under the paper's backbone), so that

@@ -29,7 +29,6 @@ import re
 import typing
 from dataclasses import dataclass, field
 
-from fedfeat.errors import FedfeatError
 from fedfeat.spec.checks import (  # each setting's range check: value, spec -> complaint or None
     _choice,
     _class_order,
@@ -517,99 +516,23 @@ def from_spec(spec: RunSpec):
     return RunConfig(**flat, params=dict(spec.params))
 
 
-# ------------------------------------------------------------------------------------------------ derived
+# everything keyed by settings, derived from FIELDS (``fedfeat.spec.derived``)
+from fedfeat.spec.derived import (  # noqa: E402
+    cache_key,
+    drawn,
+    group_items,
+    hashed,
+    identity,
+    partition_args,
+    scheme_params,
+    stack_key,
+    unstack_reason,
+    validate,
+)
 
-
-def validate(cfg) -> None:
-    """Every field's own check, then the scheme parameters against the scheme: one line naming the flag."""
-    spec = to_spec(cfg)
-    for k, f in FIELDS.items():
-        v = getattr(cfg, k)
-        if v is None or f.check is None:
-            continue
-        msg = f.check(v, spec)
-        if msg:
-            raise FedfeatError(f"{f.flag} {msg}")
-    from fedfeat.partition.registry import schemes_using
-
-    scheme = cfg.partition
-    for name in scheme_params():
-        if getattr(cfg, name) is not None and scheme not in schemes_using(name):
-            users = schemes_using(name)
-            which = f"--partition {users[0]} only" if len(users) == 1 else f"--partition {' / '.join(users)}"
-            raise FedfeatError(
-                f"{FIELDS[name].flag} applies to {which} (got {scheme}); drop {FIELDS[name].flag}"
-            )
-
-
-def scheme_params() -> tuple[str, ...]:
-    """The flat keys of the scheme parameters (the registry's, in the partition part)."""
-    common = {n for n, _, _ in _PARTITION_COMMON}
-    return tuple(k for k, f in FIELDS.items() if f.part == "partition" and f.name not in common)
-
-
-def partition_args(cfg) -> dict:
-    """The partition part (of a ``RunConfig``, or a dict of flat keys) as ``store_partition`` keywords:
-    ``scheme``, ``clients``, ``seed``, ``imbalance_factor`` and the scheme's own parameters that are set."""
-    get = cfg.get if isinstance(cfg, dict) else (lambda k: getattr(cfg, k))
-    own = set(scheme_params())
-    return {
-        f.name: get(k)
-        for k, f in FIELDS.items()
-        if f.part == "partition" and not (k in own and get(k) is None)
-    }
-
-
-def cache_key(cfg, kind: str, where: str) -> tuple:
-    """The key of a session cache entry of ``kind`` (``CACHES``) for this run: the store's canonical location
-    ``where`` and every setting declared to key that cache. Two runs share an entry exactly when these agree."""
-    return (
-        kind,
-        where,
-        *((k, getattr(cfg, k)) for k, f in FIELDS.items() if kind in f.caches and k != "store"),
-    )
-
-
-def stack_key(cfg) -> tuple:
-    """Every setting that is not ``per_run``: runs may be stacked only when these agree (and their method allows
-    it, ``fedfeat.runs.train.stack_group``)."""
-    return tuple((k, str(getattr(cfg, k))) for k, f in FIELDS.items() if not f.per_run)
-
-
-def unstack_reason(cfg) -> str | None:
-    """Why this run is made on its own whatever its method (a setting's ``unstack``), or None."""
-    for k, f in FIELDS.items():
-        if f.unstack is not None:
-            why = f.unstack(getattr(cfg, k))
-            if why:
-                return why
-    return None
-
-
-def hashed(cfg) -> dict:
-    """The settings that enter the run name's hash: those ``in_hash``, set and not at their default."""
-    return {
-        k: getattr(cfg, k)
-        for k, f in FIELDS.items()
-        if f.in_hash and getattr(cfg, k) is not None and getattr(cfg, k) != f.default
-    }
-
-
-def identity(cfg) -> dict:
-    """What a checkpoint is checked against on resume: every setting but where the run is written or read."""
-    return {k: getattr(cfg, k) for k, f in FIELDS.items() if f.identity}
-
-
-def drawn() -> tuple[str, ...]:
-    """The settings only a run that draws clients reads (reset for a method that draws none)."""
-    return tuple(k for k, f in FIELDS.items() if f.drawn)
-
-
-def group_items(run: dict, params: dict) -> dict:
-    """What makes a run's setting in a seed table (``report --seeds``, ``--best``, the seed figures): every
-    setting declared ``groups`` (all that say what the run is, the store's fingerprint among them, but the seed), as
-    a ``config.toml`` ``[run]`` table gives them (missing keys at their defaults), and the method's hyperparameters
-    as ``params.<key>``. Runs with equal items differ only in their seed."""
-    items = {k: run.get(k, f.default) for k, f in FIELDS.items() if f.groups}
-    items.update({f"params.{k}": v for k, v in sorted(params.items())})
-    return items
+__all__ = [
+    "CACHES", "DEFAULTS", "FIELDS", "PARTS", "SWEEPABLE", "SWEEP_FIXED", "TYPES", "DataSpec", "EngineSpec", "Field",
+    "MethodSpec", "OutputSpec", "PartitionSpec", "RunConfig", "RunSpec", "cache_key", "drawn", "from_spec",
+    "group_items", "hashed", "identity", "partition_args", "scheme_params", "setting", "stack_key", "to_spec",
+    "unstack_reason", "validate",
+]  # fmt: skip
