@@ -6,7 +6,7 @@ setting. No setting is named here: each function reads the fields' declarations.
 from __future__ import annotations
 
 from fedfeat.errors import FedfeatError
-from fedfeat.spec import _PARTITION_COMMON, FIELDS, to_spec
+from fedfeat.spec.fields import _PARTITION_COMMON, FIELDS, to_spec
 
 
 def validate(cfg) -> None:
