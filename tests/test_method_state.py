@@ -82,6 +82,7 @@ def test_two_rounds_write_only_declared_keys(stores, key, tmp_path, monkeypatch)
         return made[-1]
 
     monkeypatch.setattr(engine_data, "state_for", record)
+    monkeypatch.setattr("fedfeat.report.plots.plot_curves", lambda *a, **k: None)  # not what is checked here
     extra = dict(SETTINGS.get(key, {}))
     params = dict(extra.pop("params", {}))
     prompt = cls.needs_live_text or cls.needs_pixels
