@@ -18,6 +18,10 @@ differently: the tests run both against the loop engine (``test_engine.py``; ``t
 to ~1e-15; float32 to ~1e-7, except where FST-CBDG's argmax of a soft label falls on a near-tie that rounding
 decides, see there), and NaN / inf propagate as in torch (LLVM's fast-math flags without ``nnan`` / ``ninf``).
 Compiled by numba on first use (cached on disk next to this file).
+
+(Over ~600 lines on purpose: the kernels share their compiled building blocks -- the bucket-sort shuffle, the blocked
+logits with prefetch, the inlined exp, the SGD step -- and numba's on-disk cache watches only the file that defines
+a cached function, so blocks in another file could be served stale after an edit.)
 Used by the batched engine on CPU when ``--kernel auto`` (the default) or ``fused``; ``--kernel torch`` keeps the
 tensor program (the path the GPU always takes: there one ``bmm`` over all clients is the right program).
 

@@ -341,10 +341,6 @@ class EngineSpec:
     )
 
 
-def _params_check(v, s):
-    return None if isinstance(v, dict) else "must be a table of hyperparameters"
-
-
 @dataclass(frozen=True)
 class MethodSpec:
     """The method and its hyperparameters (the method's own ``Params`` dataclass types them:
