@@ -425,3 +425,18 @@ def store_snapshot(path: Path, ignore_attrs=("created_at",)) -> dict:
 
     walk(g)
     return snap
+
+
+def feature_and_prompt_stores(root: Path) -> dict:
+    """Two small stores under ``root``: ``feature``, a synthetic store (4 classes, D = 16), and ``prompt``, fake
+    CIFAR-10 encoded by the tiny open_clip model with pixels (the prompt methods' live encoders read it)."""
+    feat = root / "s.zarr"
+    r = run_cli(["synth", "--out", feat, "--classes", "4", "--dim", "16", "--train-per-class", "30",
+                 "--test-per-class", "10", "--templates", "2", "--no-stats"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    tc = make_tiny_clip(root / "tiny")
+    c10 = write_cifar10(root / "cifar-10-batches-py", n_train=40, n_test=20)
+    r = run_cli(["encode", "--dataset", "cifar10", "--root", c10.root, "--backbone", tc.config, "--pretrained",
+                 tc.weights, "--out", root / "cache", "--device", "cpu", "--templates", "cifar", "--pixels"])  # fmt: skip
+    assert r.exit_code == 0, (r.output, r.exception)
+    return {"feature": feat, "prompt": root / "cache" / "cifar10" / f"{TINY_NAME}-tiny.zarr", "root": root}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers_clip import TINY_NAME, make_tiny_clip, run_cli, write_cifar10
+from helpers_clip import feature_and_prompt_stores
 
 from fedfeat.engine import data as engine_data
 from fedfeat.engine.context import ENGINE_STATE_KEYS, MethodState, state_for
@@ -36,17 +36,7 @@ KEYS = sorted(set(REGISTRY) | set(SETTINGS))
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory):
-    root = tmp_path_factory.mktemp("method-state")
-    feat = root / "s.zarr"
-    r = run_cli(["synth", "--out", feat, "--classes", "4", "--dim", "16", "--train-per-class", "30",
-                 "--test-per-class", "10", "--templates", "2", "--no-stats"])  # fmt: skip
-    assert r.exit_code == 0, r.output
-    tc = make_tiny_clip(root / "tiny")
-    c10 = write_cifar10(root / "cifar-10-batches-py", n_train=40, n_test=20)
-    r = run_cli(["encode", "--dataset", "cifar10", "--root", c10.root, "--backbone", tc.config, "--pretrained",
-                 tc.weights, "--out", root / "cache", "--device", "cpu", "--templates", "cifar", "--pixels"])  # fmt: skip
-    assert r.exit_code == 0, (r.output, r.exception)
-    return {"feature": feat, "prompt": root / "cache" / "cifar10" / f"{TINY_NAME}-tiny.zarr"}
+    return feature_and_prompt_stores(tmp_path_factory.mktemp("method-state"))
 
 
 def test_every_declaration_has_one_line_of_doc():

@@ -19,7 +19,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers_clip import TINY_NAME, make_tiny_clip, run_cli, subprocess_env, write_cifar10
+from helpers_clip import (
+    feature_and_prompt_stores,
+    subprocess_env,
+)
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -56,17 +59,7 @@ def test_every_method_that_checkpoints_is_covered():
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory):
-    root = tmp_path_factory.mktemp("resume-prop")
-    feat = root / "s.zarr"
-    r = run_cli(["synth", "--out", feat, "--classes", "4", "--dim", "16", "--train-per-class", "30",
-                 "--test-per-class", "10", "--templates", "2", "--no-stats"])  # fmt: skip
-    assert r.exit_code == 0, r.output
-    tc = make_tiny_clip(root / "tiny")
-    c10 = write_cifar10(root / "cifar-10-batches-py", n_train=40, n_test=20)
-    r = run_cli(["encode", "--dataset", "cifar10", "--root", c10.root, "--backbone", tc.config, "--pretrained",
-                 tc.weights, "--out", root / "cache", "--device", "cpu", "--templates", "cifar", "--pixels"])  # fmt: skip
-    assert r.exit_code == 0, (r.output, r.exception)
-    return {"feature": feat, "prompt": root / "cache" / "cifar10" / f"{TINY_NAME}-tiny.zarr", "root": root}
+    return feature_and_prompt_stores(tmp_path_factory.mktemp("resume-prop"))
 
 
 def _cfg(stores, key: str, out: Path) -> RunConfig:

@@ -71,20 +71,21 @@ def report(
         return _unfinished_table(unfinished, fmt)
     if plot is not None:
         _check_figure_args(runs, metric, size, kind)
+    known: dict = {}  # run directory -> its setting (config.toml read once)
     if best:
-        runs, note, on = _best_settings(runs)
+        runs, note, on = _best_settings(runs, known)
         if plot is not None:
-            seed_figure(runs, plot, metric=metric, size=size, kind=kind)
+            seed_figure(runs, plot, metric=metric, size=size, kind=kind, known=known)
         if fmt == "json":  # one valid JSON document: the selection rule is a field
-            groups = json.loads(seed_table([s for s, _, _ in runs], fmt, _settings(runs)))
+            groups = json.loads(seed_table([s for s, _, _ in runs], fmt, _settings(runs, known)))
             return json.dumps({"selection": note, "selected_on": on, "groups": groups}, indent=1)
-        return note + "\n\n" + seed_table([s for s, _, _ in runs], fmt, _settings(runs))
+        return note + "\n\n" + seed_table([s for s, _, _ in runs], fmt, _settings(runs, known))
     if seeds:
         if plot is not None:
-            seed_figure(runs, plot, metric=metric, size=size, kind=kind)
-        return seed_table([s for s, _, _ in runs], fmt, _settings(runs))
+            seed_figure(runs, plot, metric=metric, size=size, kind=kind, known=known)
+        return seed_table([s for s, _, _ in runs], fmt, _settings(runs, known))
     if plot is not None:  # before any return: --plot always writes its file
-        seed_figure(runs, plot, metric=metric, size=size, kind=kind)
+        seed_figure(runs, plot, metric=metric, size=size, kind=kind, known=known)
     if fmt == "json":  # the runs' summaries, plain numbers
         return json.dumps([{**s, "path": str(q)} for s, _, q in runs], indent=1)
     has_lt = any("many_acc" in s for s, _, _ in runs)
@@ -178,20 +179,31 @@ SEED_METRICS = {"final_acc": "final acc", "best_acc": "best acc (selected on tes
                 "pseudo_label_acc": "pseudo-label acc", "local_acc": "local acc"}  # fmt: skip
 
 
-def _settings(runs: list) -> list[dict]:
-    """Each run's setting from its directory's config.toml (``fedfeat.report.load.run_settings``)."""
+def _settings(runs: list, known: dict | None = None) -> list[dict]:
+    """Each run's setting from its directory's config.toml (``fedfeat.report.load.run_settings``); ``known``
+    (run directory -> setting) keeps what one report has read, so each config.toml is read once."""
     from fedfeat.report.load import run_settings
 
-    return [run_settings(s, q) for s, _, q in runs]
+    known = {} if known is None else known
+    out = []
+    for r in runs:  # (summary, rows, run dir); without a dir, the summary's keys
+        q = r[2] if len(r) > 2 else None
+        if q is None:
+            out.append(run_settings(r[0]))
+            continue
+        if q not in known:
+            known[q] = run_settings(r[0], q)
+        out.append(known[q])
+    return out
 
 
-def _best_settings(runs: list) -> tuple[list, str, str]:
+def _best_settings(runs: list, known: dict | None = None) -> tuple[list, str, str]:
     """Keep, among the runs that agree on every setting but their hyperparameters and seed (the run specification's
     seed-table settings, ``fedfeat.spec.group_items``, without ``params.*``), the runs of the hyperparameters whose
     mean selection metric is highest."""
     metric = "val_acc" if runs and all(s.get("val_acc") is not None for s, _, _ in runs) else "final_acc"
     by_group: dict[tuple, dict[str, list]] = {}
-    for r, items in zip(runs, _settings(runs)):
+    for r, items in zip(runs, _settings(runs, known)):
         s = r[0]
         defaults = _method_defaults(s["method"])
         changed = " ".join(f"{k}={v}" for k, v in s["params"].items() if defaults.get(k, v) != v) or "-"
@@ -294,7 +306,13 @@ def _zeroshot_reference(zs, others, metric: str) -> dict | None:
 
 
 def seed_figure(
-    runs: list[tuple], path: Path, *, metric: str = "test_acc", size: str | None = None, kind: str = "curves"
+    runs: list[tuple],
+    path: Path,
+    *,
+    metric: str = "test_acc",
+    size: str | None = None,
+    kind: str = "curves",
+    known: dict | None = None,
 ) -> None:
     """A paper's figure of seed-grouped runs (``runs``: ``(summary, metrics rows[, run dir])``): one panel per
     partition (readable titles), each setting's mean curve of ``metric`` (a per-round value of metrics.jsonl)
@@ -314,7 +332,7 @@ def seed_figure(
         s = r[0]
         defaults = _method_defaults(s["method"])
         changed = " ".join(f"{k}={v}" for k, v in s["params"].items() if defaults.get(k, v) != v)
-        items = tuple((k, repr(v)) for k, v in _settings([r])[0].items())
+        items = tuple((k, repr(v)) for k, v in _settings([r], known)[0].items())
         key = (s["method"] + (f" {changed}" if changed else ""), s["partition"], items)
         grouped.setdefault(key, []).append(r)
     if kind == "clients":

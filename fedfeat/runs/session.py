@@ -236,7 +236,8 @@ def open_store(cfg: RunConfig):
     if cfg.store_fingerprint is not None and have != cfg.store_fingerprint:
         raise FedfeatError(
             f"store {cfg.store} has fingerprint {have}, but the config was run on a store with fingerprint "
-            f"{cfg.store_fingerprint}; pass --store to run it on this store anyway, or point it at the original"
+            f"{cfg.store_fingerprint}; pass --store to run it on this store anyway (without --store-fingerprint), or "
+            "point it at the original"
         )
     cfg.store = where  # config.toml works from any working directory
     cfg.store_fingerprint = have

@@ -124,23 +124,24 @@ def _expand(grid, params, cells, fixed, fixed_params) -> list[tuple[dict, dict]]
 def parse_values(key: str, text: str, typ=str) -> list:
     """``"0,1,2"`` or a range ``"0-4"`` (integers only) -> typed values; a one-line error names a bad one."""
     text = text.strip()
+    flag = "--" + key.replace("_", "-")  # the option as typed
     if typ is int and "-" in text and "," not in text and not text.startswith("-"):
         a, _, b = text.partition("-")
         try:
             lo, hi = int(a), int(b)
         except ValueError:
-            raise FedfeatError(f"--{key} {text!r}: a range is two integers, e.g. 0-4") from None
+            raise FedfeatError(f"{flag} {text!r}: a range is two integers, e.g. 0-4") from None
         if hi < lo:
-            raise FedfeatError(f"--{key} {text!r}: the range is empty (write low-high, e.g. 0-4)")
+            raise FedfeatError(f"{flag} {text!r}: the range is empty (write low-high, e.g. 0-4)")
         return list(range(lo, hi + 1))
     out = []
     for v in (x.strip() for x in text.split(",")):
         if not v:
-            raise FedfeatError(f"--{key} {text!r} has an empty value; separate values with single commas")
+            raise FedfeatError(f"{flag} {text!r} has an empty value; separate values with single commas")
         try:
             out.append(typ(v))
         except ValueError:
-            raise FedfeatError(f"--{key}: {v!r} is not a {typ.__name__}") from None
+            raise FedfeatError(f"{flag}: {v!r} is not a {typ.__name__}") from None
     return out
 
 
