@@ -13,7 +13,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 STORE ?= cache/synth-cifar10.zarr
 RUNS ?= runs
 
-.PHONY: help install test test-all lint format synth demo bench identity clean
+.PHONY: help install test test-all lint format synth demo bench bench-gpu identity clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | sort -u | \
@@ -25,6 +25,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	@if [ -n "$(TORCH_PIN)" ]; then echo "installing $(TORCH_PIN) first"; $(PY) -m pip install -q "$(TORCH_PIN)"; fi
 	$(PY) -m pip install -q -e '.[dev,hf,flower,tensorboard,wandb,slurm,ray]'
 	HF_HUB_OFFLINE=1 $(PY) -m fedfeat compile   # the fused CPU kernels, now: a first run then starts at once
+	$(PY) -m fedfeat.encoders.tvhook --install  # a plain `import open_clip` works in .venv too (README, environment)
 	@touch $@
 
 install: $(VENV)/.installed ## create .venv and install fedfeat (torch first, pinned) with its dev tools and the hf / flower / tensorboard / wandb / slurm / ray extras its tests use
@@ -58,6 +59,19 @@ demo: synth ## the main job on the built-in default: synthetic store, FST-CBDG v
 
 bench: install ## run bench/ and write BENCHMARKS.md
 	$(PY) bench/run_all.py
+
+.PHONY: bench-threads
+bench-threads: install ## creff / clip2fl / fedclip s per round at the thread policy vs fixed counts, 1 / 2 / 4 jobs at once (~10 min on 2 idle cores) -> bench/results/threads.md
+	$(PY) bench/bench_threads.py
+	$(PY) bench/run_all.py --assemble
+
+# On an offline GPU machine whose python3 has a CUDA torch: no install (no .venv there; fedfeat is pure Python, so
+# PYTHONPATH=. runs it), the wheels `bash scripts/device_wheels.sh` downloaded into .devwheels/ on a machine with
+# network (carried along), then the bench (~3-5 min on one H100). BENCH_GPU_FLAGS: more flags (e.g. --budget 200).
+BENCH_GPU_FLAGS ?=
+bench-gpu: ## on a GPU machine: make bench-gpu PY=python3 (batched vs loop, stacked runs, agreement, GPU memory) -> bench/results/gpu.md
+	PY=$(PY) bash scripts/device_wheels.sh install
+	PYTHONPATH=.:.devwheels/site $(PY) bench/bench_gpu.py --out bench/results/gpu.md $(BENCH_GPU_FLAGS)
 
 IDENTITY_BASE ?= b234b95
 identity: install ## the same commands and seeds give the same run directories as $(IDENTITY_BASE) (every method; ~5 min)

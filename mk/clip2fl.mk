@@ -10,9 +10,10 @@ CLIP2FL_RUNS ?= runs/demo-clip2fl
 # rounds of the three would take ~10 min; 50 take ~2.5 min plus ~20 s for the store, and CReFF / CLIP2FL
 # have levelled off by then while FedAvg is still climbing (it is the slow one under the long tail).
 ROUNDS ?= 50
-# the server loops are thousands of tiny tensor ops: one thread each is fastest, and 2 OpenMP threads on a
-# shared 2-core machine were measured 10x slower in re-training (threads wait on each other)
-CLIP2FL_THREADS ?= 1
+# CPU threads: fedfeat's thread policy picks them for the machine and its load (README, "CPU threads"). It replaces
+# the OMP_NUM_THREADS=1 once set here: 2 threads on a 2-core machine loaded by other jobs were 10x slower in
+# re-training, on a quiet one they are faster (issue 35). CLIP2FL_THREADS=N fixes the count.
+CLIP2FL_THREADS ?= auto
 CLIP2FL_SETTING := --partition dirichlet-equal --alpha 0.5 --imbalance-factor 100 --clients 20 \
   --participation 0.4 --shot-thresholds 1500,200 --rounds $(ROUNDS) --seed 0
 # FedAvg with CLIP2FL's client protocol (options.py: SGD lr 0.1, no momentum, no weight decay, 10 local epochs,
@@ -30,6 +31,6 @@ synth-clip2fl: install ## build the synthetic CIFAR-10-shaped ViT-B/32 store (D 
 demo-clip2fl: synth-clip2fl ## CLIP2FL long-tailed setting, IF 100: fedavg vs creff vs clip2fl, many/medium/few (ROUNDS=50)
 	@rm -rf $(CLIP2FL_RUNS)
 	@for m in "$(CLIP2FL_FEDAVG)" creff clip2fl; do \
-	  OMP_NUM_THREADS=$(CLIP2FL_THREADS) $(PY) -m fedfeat train --store $(CLIP2FL_STORE) --method $$m \
+	  $(PY) -m fedfeat train --store $(CLIP2FL_STORE) --method $$m --threads $(CLIP2FL_THREADS) \
 	    $(CLIP2FL_SETTING) --out $(CLIP2FL_RUNS) || exit 1; done
 	$(PY) -m fedfeat report $(CLIP2FL_RUNS) --plot $(CLIP2FL_RUNS)/curves.png | tee $(CLIP2FL_RUNS)/table.md

@@ -108,9 +108,14 @@ def _is_timing(key: str) -> bool:
     )
 
 
+# keys that say how a run was made, not what it computed: the commit, and (issue 35) the thread count and why
+# (``env.threads``) and the divergence verdict (``diverged``, derived from the compared metrics)
+UNCOMPARED = {"git_commit", "threads", "diverged"}
+
+
 def _strip(obj):
     if isinstance(obj, dict):
-        out = {k: _strip(v) for k, v in obj.items() if not _is_timing(k) and k != "git_commit"}
+        out = {k: _strip(v) for k, v in obj.items() if not _is_timing(k) and k not in UNCOMPARED}
         if isinstance(out.get("command"), str):  # argv[0] is the tree's own fedfeat/__main__.py
             out["command"] = out["command"].split(" ", 1)[-1]
         return out

@@ -93,7 +93,7 @@ def test_fused_kernels_cover_the_linear_heads_and_fst_cbdg():
         "feddf",
         "fedbe",
         "ccvr",  # FedAvg's local loss; server-side steps only
-    }
+    } | {"fedadagrad", "fedadam", "fedyogi"}  # FedAvg's clients, an adaptive server step (methods.serveropt)
 
 
 def test_fused_kernel_hand_step():

@@ -171,7 +171,7 @@ def test_best_plot_writes_file_and_best_json_is_valid(swept, tmp_path):
     assert len(json.loads(r.stdout)) == 4
 
 
-def test_figure_legend_leaves_defaults_unlabelled_and_zeroshot_from_store(swept, tmp_path, monkeypatch):
+def test_figure_legend_names_swept_defaults_and_zeroshot_from_store(swept, tmp_path, monkeypatch):
     store, runs = swept
     seen = {}
 
@@ -183,7 +183,8 @@ def test_figure_legend_leaves_defaults_unlabelled_and_zeroshot_from_store(swept,
 
     found, _ = collect_runs([runs], lambda m: None)
     tables.seed_figure([(s, m, q) for (s, m), q in found], tmp_path / "x.pdf", size="one-column")
-    assert sorted(g["label"] for g in seen["groups"]) == ["fedavg", "fedavg lr=0.1"]  # default lr unlabelled
+    # every swept setting named on every curve, its default value too (issue 35)
+    assert sorted(g["label"] for g in seen["groups"]) == ["fedavg lr=0.01", "fedavg lr=0.1"]
     assert seen["size"] == "one-column"
     # the zero-shot line, with no zeroshot run in the set: the store's own, equal to a zeroshot run's accuracy
     (part,) = seen["reference"]
@@ -191,7 +192,7 @@ def test_figure_legend_leaves_defaults_unlabelled_and_zeroshot_from_store(swept,
                             "--name", "zs", "--partition", "dirichlet", "--alpha", "0.5", "--clients", "5"])  # fmt: skip
     assert r.exit_code == 0, r.output
     zs = json.loads((tmp_path / "z" / "zs" / "summary.json").read_text())["final_acc"]
-    assert seen["reference"][part] == pytest.approx(zs, abs=1e-6)
+    assert seen["reference"][part] == {"test_acc": pytest.approx(zs, abs=1e-6)}
     assert tables.store_zeroshot(tmp_path / "missing.zarr") is None  # unreadable store: no line, no error
 
 

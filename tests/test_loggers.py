@@ -278,3 +278,26 @@ def _wandb_records(path):
                 )
             )
     return out
+
+
+def test_sweep_logs_every_run_live(store, tmp_path):
+    """``sweep --logger tensorboard`` (a stacked sweep: the default) writes each run's own event file, equal to its
+    metrics (issue 35: sweeps could not log live)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    r = runner.invoke(
+        app,
+        ["sweep", "--store", str(store), "--out", str(tmp_path), "--method", "fedavg", "--clients", "6",
+         "--participation", "0.5", "--rounds", str(ROUNDS), "--seed", "0,1", "--quiet", "--logger", "tensorboard"],
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    runs = sorted(p for p in tmp_path.iterdir() if (p / "summary.json").exists())
+    assert len(runs) == 2
+    for run in runs:
+        acc = EventAccumulator(str(run / "tb"))
+        acc.Reload()
+        got = [(e.step, round(e.value, 4)) for e in acc.Scalars("test_acc")]
+        assert got == [(s, round(v, 4)) for s, v in _scalar_rows(_rows(run), "test_acc")]
+    a, b = ([e.value for e in EventAccumulator(str(p / "tb")).Reload().Scalars("test_acc")] for p in runs)
+    assert a != b  # each run its own curve, not one run's written twice

@@ -25,6 +25,8 @@ BUILT_IN = sorted(n for n, c in REGISTRY.items() if c.__module__.startswith("fed
 # what fedfeat.runs.stack stacked before the contract declared it on the classes
 STACKED = {"fedavg", "fedavgm", "fedprox", "fednova", "fedavg-tau-norm", "fedntd", "fed-focal", "ratio-loss",
            "fst-cbdg", "ccvr", "feddf", "fedbe", "creff", "clip2fl"}  # fmt: skip
+STACKED |= {"fedadagrad", "fedadam", "fedyogi"}  # issue 35's server optimisers (fedfeat.methods.serveropt)
+STACKED |= {"scaffold", "feddyn"}  # issue 35: per-client state in each run's own ctx.state (engine.stacked)
 
 
 def _ok(typ, v) -> bool:
@@ -41,6 +43,7 @@ KIND = {
     "uses_labels": "bool", "runs_on": "str", "federated": "bool", "centralized": "bool", "needs_partition": "bool",
     "needs_live_text": "bool", "needs_pixels": "bool", "shardable": "bool", "benchmark_logits": "hook",
     "local_accuracies": "hook", "stacks": "bool", "no_stack_reason": "str", "stack_shape": "names",
+    "divergence_hint": "str",
 }  # fmt: skip
 
 

@@ -121,6 +121,11 @@ def test_plugin_runs_batched_and_equals_its_per_client_loop(installed_plugin, sm
     st, part = small
     m = get_method("fedavg-ls", {"batch_size": "8", "local_epochs": "2", "smoothing": "0.3"})
     assert not m.has_fused() and resolve_kernel("auto", m, "batched", torch.device("cpu")) == "torch"
+    # --kernel fused says why not: the subclass redefines the per-sample loss of the class whose kernel it would get
+    with pytest.raises(
+        FedfeatError, match=r"FedAvgLabelSmoothing redefines sample_loss, so LinearHead's fused"
+    ):
+        resolve_kernel("fused", m, "batched", torch.device("cpu"))
     seen = []
     real = installed_plugin.sample_loss
     monkeypatch.setattr(

@@ -36,6 +36,8 @@ FEATURE = {  # method -> its settings on the synthetic store (those a method nee
     "fedavg": {}, "centralized": {}, "fedprox": {}, "fedavgm": {}, "fedntd": {}, "fst-cbdg": {}, "creff": {},
     "clip2fl": {}, "fedclip": {}, "copl-linear": {}, "fednova": {}, "fed-focal": {}, "fedavg-tau-norm": {},
     "ccvr": {},
+    "fedadagrad": {}, "fedadam": {}, "fedyogi": {},  # their server moments m, v are checkpointed state
+    "scaffold": {}, "feddyn": {},  # every client's c_i / nu_i (all N, not only the sampled) is checkpointed
     "fed-mp": {"partition": "disjoint-classes", "clients": 2},
     "ratio-loss": {"params": {"aux_per_class": 5}},
     "feddf": {"imbalance_factor": 10.0, "params": {"val_data": "train"}},
@@ -107,6 +109,9 @@ def _result(run: Path) -> tuple:
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     text = "".join(json.dumps({k: v for k, v in r.items() if not _timing(k)}) + "\n" for r in rows)
     summary = json.loads((run / "summary.json").read_text())
+    summary.get("env", {}).pop(
+        "threads", None
+    )  # how the process ran (the CLI's thread policy vs the API), not a result
     results = {
         k: v for k, v in summary.items() if not _timing(k) and k not in ("provenance", "resumed_after_round")
     }

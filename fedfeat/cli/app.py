@@ -62,6 +62,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # help text is plain text: square brackets are literal (`pip install fedfeat[tensorboard]`, "value lists, []"),
+    # not rich markup tags that would be swallowed
+    rich_markup_mode=None,
 )
 
 

@@ -22,7 +22,11 @@ def register(app: typer.Typer) -> None:
         store: Annotated[str, typer.Option(help="The store whose test split is scored.")],
         out: Annotated[
             Optional[Path],
-            typer.Option(help="Output directory (default: RUN/eval-<store name>).", show_default=False),
+            typer.Option(
+                help="Output directory (default: RUN/eval-<store's folder>-<store name>-<fingerprint, 8 hex>, one "
+                "per store). Another evaluation there is replaced only with --overwrite.",
+                show_default=False,
+            ),
         ] = None,
         classes: Annotated[
             Optional[str],
@@ -32,20 +36,33 @@ def register(app: typer.Typer) -> None:
         ] = None,
         format: Annotated[str, typer.Option("--format", help="markdown or json.")] = "markdown",
         device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+        overwrite: Annotated[
+            bool,
+            typer.Option(
+                "--overwrite",
+                help="Replace another evaluation (other run, store or --classes) in the output.",
+            ),
+        ] = False,
     ) -> None:
-        """Evaluate a saved head, adapter or prompt on another store: accuracy, per-class accuracy, macro F1, the
-        confusion matrix (results.npz) and CLIP_benchmark's JSON, written into --out."""
+        """Evaluate a saved head, adapter or prompt on another store: accuracy, per-class accuracy, mean class
+        accuracy, macro F1, the confusion matrix (results.npz) and CLIP_benchmark's JSON, written into --out
+        (eval.json last). A class with no test row (outside --classes, or none in the store) is unscored: null in
+        per_class_acc (NaN in results.npz), left out of mean_class_acc, counted in unscored_classes."""
         from fedfeat.errors import FedfeatError
         from fedfeat.runs.evaluate import evaluate_run
 
         if format not in ("markdown", "json"):
             raise FedfeatError(f"unknown format '{format}'; choose markdown or json")
         cl = [c.strip() for c in classes.split(",") if c.strip()] if classes else None
-        res = evaluate_run(run, store, out=out, classes=cl, device=device)
+        res = evaluate_run(run, store, out=out, classes=cl, device=device, overwrite=overwrite)
         if format == "json":
             typer.echo(json.dumps(res, indent=1))
             return
-        typer.echo("| method | store | classes | test rows | acc | macro F1 |\n|---|---|---|---|---|---|")
-        typer.echo(f"| {res['method']} | {res['store']} | {len(res['classes'])} | {res['test_rows']} | "
-                   f"{res['acc']:.2f} | {res['macro_f1']:.2f} |")  # fmt: skip
+        typer.echo("| method | store | classes | test rows | acc | mean class acc | macro F1 |\n"
+                   "|---|---|---|---|---|---|---|")  # fmt: skip
+        typer.echo(f"| {res['method']} | {res['store']} | {res['scored_classes']} scored of {len(res['per_class_acc'])} | "
+                   f"{res['test_rows']} | {res['acc']:.2f} | {res['mean_class_acc']:.2f} | {res['macro_f1']:.2f} |")  # fmt: skip
+        if res["unscored_classes"]:
+            typer.echo(f"{res['unscored_classes']} class(es) have no test row here and are unscored (null in "
+                       "eval.json's per_class_acc, left out of the means)")  # fmt: skip
         typer.echo(f"written: {res['out']}")

@@ -66,3 +66,27 @@ def settings_options(kind: str, *, keys=None, rename: dict | None = None):
         return command
 
     return deco
+
+
+THREADS_HELP = (
+    "CPU threads of torch and the fused kernels: a number, or auto / 0 (default) for fedfeat's policy: the usable "
+    "cores (CPU affinity, cgroup quota) divided among the jobs a launcher starts together, fewer while other "
+    "processes keep cores busy (their runnable threads when the command starts, and between a sweep's runs). "
+    "FEDFEAT_THREADS or OMP_NUM_THREADS, if set, are used instead of the policy; this flag wins over both. "
+    "summary.json's env.threads records the count and why."
+)
+
+
+def threads_option():
+    """``--threads N`` of ``train``, ``sweep`` and ``reproduce`` (``fedfeat.runs.threads``)."""
+    return typer.Option("auto", "--threads", help=THREADS_HELP, metavar="N")
+
+
+def apply_threads(ctx: typer.Context, value) -> int | None:
+    """Apply ``--threads`` (``fedfeat.runs.threads.use``) for the rest of the running command ``ctx`` (torch's count
+    is restored when it ends); returns the requested count (None: the policy or the environment decides)."""
+    from fedfeat.runs.threads import parse, use
+
+    requested = parse(value)
+    ctx.with_resource(use(requested))
+    return requested

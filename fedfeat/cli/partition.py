@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 
 from fedfeat.cli.options import settings_options
+from fedfeat.errors import FedfeatError
 
 
 def _partition_fields() -> dict[str, str]:
@@ -26,7 +27,11 @@ def partition(
     split: str = typer.Option("train", help="Split to partition."),
     stats: bool = typer.Option(False, "--stats", help="Print per-client sample and class counts."),
     export: Optional[Path] = typer.Option(
-        None, "--export", help="Write each client's sample indices to JSON."
+        None,
+        "--export",
+        help='Write each client\'s sample indices to JSON: {"scheme", "params", "clients": [[row, ...], ...]}, '
+        "rows of the split; `fedfeat train --partition FILE.json` trains on it (or on one made elsewhere in that "
+        "format).",
     ),
     plot: Optional[Path] = typer.Option(
         None, "--plot", help="Draw the client x class counts (.png, .pdf or .svg; the view: --view)."
@@ -47,6 +52,13 @@ def partition(
     from fedfeat.store.urls import local_path
 
     given = {k: DEFAULTS[k] if v is None else v for k, v in settings.items()}
+    from fedfeat.partition.external import is_partition_file
+
+    if is_partition_file(given["partition"]):
+        raise FedfeatError(
+            f"--scheme draws a partition, and {given['partition']} is one made already; train on it with "
+            f"`fedfeat train --partition {given['partition']}`, or pass a scheme name"
+        )
     export = None if export is None else local_path(export, "--export", "a local file")
     plot = None if plot is None else local_path(plot, "--plot", "a local file")
     partition_command(

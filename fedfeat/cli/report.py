@@ -31,7 +31,17 @@ def report(
     plot: Optional[Path] = typer.Option(
         None,
         help="Draw the runs into this figure (.pdf, .svg or .png; TrueType fonts): one panel per partition, "
-        "one mean ± std curve per setting over its seeds, the zero-shot level dashed.",
+        "one mean ± std curve per setting over its seeds, the zero-shot level dashed (on long-tailed runs' many / "
+        "medium / few rows, zero-shot's own accuracy on that group). A method has the same colour and marker in "
+        "every figure; every setting a method's runs differ in is named in each legend label, its default value "
+        "too; curves that coincide stay visible (each later one thinner, markers at other rounds). With --best "
+        "the title says what the settings were selected on.",
+    ),
+    dpi: int = typer.Option(
+        200,  # fedfeat.report.plots.DPI (its reason there; not imported: the CLI starts without numpy)
+        "--dpi",
+        help="--plot: a PNG's resolution (50-1200; 200 is sharp in a printed draft, journals ask 300 for raster "
+        "line art). PDF and SVG are vector.",
     ),
     kind: str = typer.Option(
         "curves",
@@ -62,14 +72,19 @@ def report(
     memory: bool = typer.Option(
         False,
         "--memory",
-        help="The per-run table also shows each run's measured memory in GB: its process's peak RSS so far, "
-        "its RSS at the end, on CUDA its peak device memory (summary.json: peak_rss_bytes, rss_bytes_at_end, "
-        "peak_device_bytes; --format json always has them).",
+        help="The tables also show the measured memory in GB (with --seeds / --best: mean ± std over the "
+        "group's runs): the process's peak RSS so far, its RSS at the end, on CUDA its peak device memory "
+        "(summary.json: peak_rss_bytes, rss_bytes_at_end, peak_device_bytes; --format json always has them).",
     ),
 ) -> None:
     """Compare finished runs: a table (markdown/CSV) and one plot with all curves.
 
-    Unreadable runs are skipped with a warning; the exit status is non-zero only when none is readable."""
+    Each run is counted once however many paths name it: a run is its settings and seed (config.toml), not its
+    folder, so `report DIR DIR` = `report DIR`, and copies of a run (the same run made by two launchers) are
+    dropped, named on stderr; copies whose results disagree are each warned about, and the first is kept. The
+    per-run table names each run and its seed. A run whose summary.json says it diverged is marked † with a
+    footnote naming it, its round and the reason (CSV: a diverged column; JSON: a diverged field). Unreadable runs
+    are skipped with a warning; the exit status is non-zero only when none is readable."""
     from fedfeat.report.tables import report as make_report
     from fedfeat.store.urls import local_path
 
@@ -91,6 +106,7 @@ def report(
             size=size,
             kind=kind,
             memory=memory,
+            dpi=dpi,
         )  # fmt: skip
     )
     if plot is not None:  # csv / json: on stderr, stdout stays one parseable document

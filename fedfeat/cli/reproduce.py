@@ -6,6 +6,7 @@ from typing import Optional
 
 import typer
 
+from fedfeat.cli.options import apply_threads, threads_option
 from fedfeat.errors import FedfeatError
 
 
@@ -30,9 +31,17 @@ def reproduce(
     seeds: int = typer.Option(5, help="Seeds per cell (0 .. N-1)."),
     rounds: Optional[int] = typer.Option(None, help="Override the paper's round count (the header says so)."),
     out: Optional[str] = typer.Option(None, help="Parent of the runs, local. Default runs/reproduce-NAME."),
-    fmt: str = typer.Option("markdown", "--format", help="markdown, csv or json."),
+    fmt: str = typer.Option(
+        "markdown",
+        "--format",
+        help="markdown, csv or json. Every number of ours says where it comes from: json cells carry synthetic, "
+        "source ('synthetic stand-in' or 'encoded store'), stand_in and store; csv rows end with a source column "
+        "and the header's prose is '#' comment lines (pandas: comment='#').",
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Redo finished runs (default: reuse them)."),
     quiet: bool = typer.Option(False, "--quiet", help="No per-run lines and no progress line."),
+    threads: str = threads_option(),
+    ctx: typer.Context = None,  # given by typer: --threads holds for the command
 ) -> None:
     """Run a paper's table (its grid x seeds, in one process) and print it in the paper's layout, ours
     (mean ± std) beside the paper's numbers, under a header with the setting."""
@@ -47,6 +56,8 @@ def reproduce(
     if name is None:
         raise FedfeatError(f"name a table (fedfeat reproduce --list): {', '.join(TABLES)}")
     from fedfeat.runs.sweep import failure_lines
+
+    apply_threads(ctx, threads)  # before the runs touch torch (fedfeat.runs.threads)
 
     log = (lambda *a: None) if quiet else (lambda m: typer.echo(m, err=True))
     failures: list = []

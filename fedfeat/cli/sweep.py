@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from fedfeat.cli.options import settings_options
+from fedfeat.cli.options import apply_threads, settings_options, threads_option
 from fedfeat.cli.train import _loggers
 from fedfeat.errors import FedfeatError
 
@@ -26,6 +26,8 @@ def sweep(
     overwrite: bool = typer.Option(False, "--overwrite", help="Redo finished runs (default: skip them)."),
     fmt: str = typer.Option("markdown", "--format", help="The closing table: markdown, csv or json."),
     quiet: bool = typer.Option(False, "--quiet", help="No per-run lines and no progress line."),
+    threads: str = threads_option(),
+    ctx: typer.Context = None,  # given by typer: --threads holds for the command
     stack: bool = typer.Option(
         True,
         "--stack/--no-stack",
@@ -38,7 +40,11 @@ def sweep(
         help="local (this process), slurm (Slurm jobs through submitit: pip install fedfeat[slurm]) or ray (Ray "
         "tasks: pip install fedfeat[ray]); every launcher writes the same run directories.",
     ),
-    jobs: int = typer.Option(4, help="slurm / ray: how many jobs (tasks) the pending runs are split into."),
+    jobs: int = typer.Option(
+        4,
+        help="slurm / ray: how many jobs (tasks) the pending runs are split into; jobs started together on this "
+        "host share its cores (--threads).",
+    ),
     slurm_partition: Optional[str] = typer.Option(None, help="slurm: the Slurm partition of the jobs."),
     slurm_time: int = typer.Option(60, help="slurm: each job's time limit in minutes."),
     slurm_cluster: Optional[str] = typer.Option(
@@ -83,6 +89,8 @@ def sweep(
     from fedfeat.runs.launch import launch
 
     loggers = _loggers(logger, log_dir)
+    # this process's runs (--launcher local); launch gives the jobs theirs
+    requested = apply_threads(ctx, threads)
     if loggers and launcher != "local":
         raise FedfeatError(f"--logger runs in this process: use it with --launcher local (got {launcher})")
 
@@ -92,7 +100,8 @@ def sweep(
     with sw.Display(len(points), label="sweep", quiet=quiet) as display, use(loggers):
         paths = launch(points, launcher=launcher, jobs=jobs, overwrite=overwrite, stack=stack, log=log,
                        display=display, failures=failures, slurm_partition=slurm_partition,
-                       slurm_time=slurm_time, slurm_cluster=slurm_cluster, ray_address=ray_address)  # fmt: skip
+                       slurm_time=slurm_time, slurm_cluster=slurm_cluster, ray_address=ray_address,
+                       threads=requested)  # fmt: skip
     made = list(dict.fromkeys(p for p in paths if p is not None))  # a run two points share: once
     if made:
         typer.echo(report(made, fmt=fmt, seeds=True, warn=lambda m: typer.echo(m, err=True)))

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from fedfeat.cli.options import settings_options
+from fedfeat.cli.options import apply_threads, settings_options, threads_option
 from fedfeat.errors import FedfeatError
 
 
@@ -58,6 +58,8 @@ def train(
         "store is only read and the partition is kept in the run directory.",
     ),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+    threads: str = threads_option(),
+    ctx: typer.Context = None,  # given by typer: --threads holds for the command
     logger: Optional[list[str]] = typer.Option(
         None,
         "--logger",
@@ -68,10 +70,16 @@ def train(
         None, help="Where --logger writes instead of the run directory (DIR/NAME for tensorboard)."
     ),
 ) -> None:
-    """Train a method federatedly on a store's cached features; writes a run directory."""
+    """Train a method federatedly on a store's cached features; writes a run directory.
+
+    A run whose test (or validation) accuracy falls to chance after being clearly above it, or whose predictions
+    all go to one class, prints one line on stderr ("warning: RUN diverged at round R: ...; try ...") and goes on;
+    summary.json's "diverged" is then {"round": R, "reason": ...}, null for a healthy run (fedfeat.runs.divergence).
+    """
     from fedfeat.runs.config import resolve_config
     from fedfeat.runs.train import train as run_train
 
+    apply_threads(ctx, threads)  # before the run touches torch (fedfeat.runs.threads)
     cli = settings
     opts = dict(
         overwrite=overwrite,

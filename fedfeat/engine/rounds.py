@@ -316,7 +316,7 @@ def resolve_kernel(kernel: str, method, engine: str, device: torch.device) -> st
     elif device.type != "cpu":
         why = f"fused kernels are CPU kernels (device {device}); on a GPU the torch program is the fast one"
     elif not method.has_fused():
-        why = f"method {method.name} has no fused kernel"
+        why = f"method {method.name} has no fused kernel: {method.no_fused_reason()}"
     elif method.carries_optimizer():
         why = f"method {method.name} carries its optimiser from client to client (one client at a time)"
     else:

@@ -28,6 +28,8 @@ from fedfeat.methods import fedmp, promptfl, fedcopl  # noqa: E402, F401
 # CLIP2FL Table 1's other baselines and FedCoPL's pFedPrompt / FedOPT
 from fedfeat.methods import fednova, focal, ratio_loss, tau_norm, ccvr, feddf, fedbe  # noqa: E402, F401
 from fedfeat.methods import pfedprompt, fedopt  # noqa: E402, F401
+from fedfeat.methods import serveropt  # noqa: E402, F401  # FedAdagrad / FedAdam / FedYogi (Reddi et al. 2021)
+from fedfeat.methods import scaffold, feddyn  # noqa: E402, F401  # SCAFFOLD, FedDyn (issue 35)
 
 # isort: on
 from fedfeat.methods.base import (  # noqa: E402

@@ -415,6 +415,9 @@ class Method:
         "kernel on every run's clients)", inherited=False,
     )  # fmt: skip
     no_stack_reason = Capability(str, "", "why its runs are not stacked (one line; stacks False)")
+    divergence_hint = Capability(
+        str, "", "what a diverged run should try (one line; '': the generic advice, runs.divergence.hint)"
+    )
     stack_shape = Capability(
         tuple[str, ...],
         ("batch_size", "local_epochs", "normalize", "templates", "renormalize_synthetic"),
@@ -513,14 +516,36 @@ class Method:
     def has_fused(self) -> bool:
         """A fused kernel applies only if the class that defines ``step_loss`` also defines ``fused_loss``, no
         subclass of it redefines ``sample_loss`` (a subclass that changes the loss does not inherit its parent's
-        kernel), and it returns one."""
+        kernel), and it returns one (``no_fused_reason`` says which does not hold)."""
+        return self.no_fused_reason() is None
+
+    def no_fused_reason(self) -> str | None:
+        """Why this method runs no fused kernel (None: it has one); ``--kernel fused`` prints it."""
 
         def owner(name: str) -> type:
             return next(c for c in type(self).__mro__ if name in c.__dict__)
 
         fused = owner("fused_loss")
         per_sample = owner("sample_loss") if hasattr(self, "sample_loss") else fused  # LinearHead's hook
-        return fused is owner("step_loss") and issubclass(fused, per_sample) and self.fused_loss() is not None
+        if fused is Method:
+            return (
+                "no compiled kernel is declared for its loss (fused_loss; the kernels in fedfeat/engine/kernels.py "
+                "cover the linear heads' cross-entropy family)"
+            )
+        if owner("step_loss") is not fused:
+            return (
+                f"its step_loss ({owner('step_loss').__name__}) is not the loss of the fused kernel declared by "
+                f"{fused.__name__}.fused_loss, and a kernel is only trusted on the class that declares it"
+            )
+        if not issubclass(fused, per_sample):
+            return (
+                f"{per_sample.__name__} redefines sample_loss, so {fused.__name__}'s fused kernel (compiled for "
+                f"{fused.__name__}'s loss) would train another loss; a subclass that changes the loss does not "
+                "inherit its parent's kernel"
+            )
+        if self.fused_loss() is None:
+            return f"{fused.__name__}.fused_loss has no compiled kernel for these settings"
+        return None
 
     def fused_epoch(self, ctx, plan, glob, local, params, opt, epoch):
         """Local epoch ``epoch`` of all the plan's clients in a fused kernel (which shuffles and batches as

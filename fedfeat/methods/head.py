@@ -146,3 +146,46 @@ class LinearHead(Method):
 
 
 __all__ = ["LinearHead", "LinearHeadParams", "batched_linear"]
+
+
+# ---- per-client tables of a head's shape (SCAFFOLD's control variates, FedDyn's duals): the clients sampled so far
+def client_rows(table: dict, clients: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``{name: [m, ...]}``: the rows of ``clients  # [m]`` in a per-client table ``{"ids": [V] sorted client ids,
+    name: [V, ...]}``, zeros for a client the table does not hold (not sampled yet)."""
+    ids = table["ids"]
+    clients = clients.to(ids.device)
+    pos = torch.searchsorted(ids, clients).clamp_max(max(len(ids) - 1, 0))
+    held = ids[pos] == clients if len(ids) else torch.zeros(len(clients), dtype=torch.bool, device=ids.device)
+    out = {}
+    for k, v in table.items():
+        if k != "ids":
+            rows = v[pos] if len(ids) else v.new_zeros((len(clients), *v.shape[1:]))
+            out[k] = torch.where(held.view(-1, *([1] * (v.dim() - 1))), rows, torch.zeros_like(rows))
+    return out
+
+
+def store_client_rows(table: dict, clients: torch.Tensor, rows: dict[str, torch.Tensor]) -> None:
+    """Write ``rows  # {name: [m, ...]}`` of ``clients  # [m]`` into the table (``client_rows``), adding the
+    clients it does not hold yet (``ids`` stay sorted): the table grows with the clients sampled so far, never with
+    the run's client count."""
+    clients = clients.to(table["ids"].device)
+    new = clients[~torch.isin(clients, table["ids"])]
+    if len(new):
+        ids = torch.cat([table["ids"], new])
+        order = torch.argsort(ids)
+        table["ids"] = ids[order]
+        for k in rows:
+            table[k] = torch.cat([table[k], table[k].new_zeros((len(new), *table[k].shape[1:]))])[order]
+    pos = torch.searchsorted(table["ids"], clients)
+    for k, r in rows.items():
+        table[k].index_copy_(0, pos, r)
+
+
+def client_table(ctx: Context) -> dict[str, torch.Tensor]:
+    """An empty per-client table for the head: ``{"ids": [0], "W": [0, K, D], "b": [0, K]}``."""
+    kw = {"device": ctx.device, "dtype": ctx.text.dtype}
+    return {
+        "ids": torch.zeros(0, dtype=torch.int64, device=ctx.device),
+        "W": torch.zeros(0, ctx.K, ctx.D, **kw),
+        "b": torch.zeros(0, ctx.K, **kw),
+    }

@@ -104,14 +104,18 @@ def partition_key(partition_or_params) -> str:
     return key
 
 
-def to_json(partition: Partition, path) -> None:
-    """Write ``{"scheme", "params", "clients": [[position, ...], ...]}`` atomically (tmp file + rename)."""
+def to_json(partition: Partition, path, store_fingerprint: str | None = None) -> None:
+    """Write ``{"scheme", "params", "clients": [[position, ...], ...]}`` atomically (tmp file + rename), and
+    ``"store_fingerprint"`` when given (``fedfeat partition --export``: ``train --partition FILE.json`` then refuses
+    the file on another store; ``fedfeat.partition.external``)."""
     path = Path(path)
     doc = {
         "scheme": partition.scheme,
         "params": partition.params,
         "clients": [np.asarray(c).tolist() for c in partition.clients],
     }
+    if store_fingerprint is not None:
+        doc["store_fingerprint"] = store_fingerprint
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:  # dumps, then one write: json.dump encodes chunk by chunk in Python (5x

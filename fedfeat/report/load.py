@@ -36,6 +36,7 @@ OPTIONAL_TYPES = {
     "best_round": (int,), "uses_labels": (bool,), "bytes_down": _NUM, "seconds": _NUM, "engine": (str,),
     "kernel": (str,), "device": (str,), "best_val_acc": _NUM, "best_val_round": (int,),
     "test_acc_at_best_val": _NUM, **{k: _NUM for k in SUMMARY_EXTRAS}, **{k: (int,) for k in MEMORY_KEYS},
+    "diverged": (dict,),
 }  # fmt: skip
 TYPE_NAMES = {_NUM: "a number", (int,): "an integer", (str,): "a string", (dict,): "a table (JSON object)",
               (bool,): "true or false"}  # fmt: skip
@@ -59,6 +60,12 @@ def _check_summary(s: Path, summary) -> None:
             continue
         if not _type_ok(summary[k], types):
             raise FedfeatError(f"{s}: key {k!r} is {_describe(summary[k])}, expected {TYPE_NAMES[types]}")
+    d = summary.get("diverged")
+    if d is not None and not (_type_ok(d.get("round"), (int,)) and isinstance(d.get("reason"), str)):
+        raise FedfeatError(
+            f"{s}: key 'diverged' is {_describe(d)}, expected null or an object with an integer round and a "
+            "string reason"
+        )
 
 
 def _describe(v) -> str:
@@ -232,6 +239,31 @@ def worst_client_acc(run_dir, frac: float = 0.1) -> float | None:
     if not len(last):
         return None
     return float(last[: max(1, int(np.ceil(frac * len(last))))].mean())
+
+
+def diverged_text(summary: dict, name: str | None = None) -> str | None:
+    """``NAME at round R (reason)`` for a run whose ``summary.json`` says it diverged (``"diverged": {"round",
+    "reason"}``); None for a healthy run, and for a run made before the key existed (a missing key is healthy)."""
+    d = summary.get("diverged")
+    if not isinstance(d, dict):
+        return None
+    return f"{name or summary.get('name') or summary.get('method')} at round {d.get('round')} ({d.get('reason')})"
+
+
+def method_defaults(name: str) -> dict:
+    """A registered method's default hyperparameters (``{}`` for a method this installation does not have)."""
+    import dataclasses
+
+    from fedfeat.methods import REGISTRY
+
+    cls = REGISTRY.get(name)
+    return dataclasses.asdict(cls.Params()) if cls else {}
+
+
+def changed_params(method: str, params: dict) -> dict:
+    """The hyperparameters of a run that differ from its method's defaults (what names a run's setting)."""
+    defaults = method_defaults(method)
+    return {k: v for k, v in (params or {}).items() if defaults.get(k, v) != v}
 
 
 def run_settings(summary: dict, path=None) -> dict:

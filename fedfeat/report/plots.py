@@ -1,8 +1,13 @@
-"""Figures (matplotlib, headless ``Agg``): partition heatmaps and accuracy-vs-round curves."""
+"""Figures (matplotlib, headless ``Agg``): partition heatmaps and accuracy-vs-round curves.
+
+A method keeps its colour and marker in every figure (``line_style``: from its name, never from the order a
+figure draws it in); lines that coincide stay visible (``_draw_seed_curves``: each later line of a panel thinner,
+its markers at other rounds)."""
 
 from __future__ import annotations
 
 import os
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -37,18 +42,25 @@ def _print_rc(size: str | None) -> dict:
 
 
 FORMATS = (".png", ".pdf", ".svg")
+# a PNG figure's resolution (``report --dpi``): matplotlib's own default, 100, is blurred in print; 200 keeps a
+# two-column figure sharp on screen and in a printed draft at a few hundred kB; journals ask 300 or more for
+# raster line art (IEEE's graphics guidelines: 300 dpi), for which pass --dpi 300 or draw a vector .pdf / .svg
+DPI = 200
+# each run's own curve.png (``fedfeat.runs.writers``): a screen preview every run writes, kept at the 130 dpi it
+# had before --dpi existed (a 200-dpi PNG takes longer to draw, in every run of a sweep)
+RUN_CURVE_DPI = 130
 
 
-def _save(fig, path: str | Path, tight: bool = True) -> None:
+def _save(fig, path: str | Path, tight: bool = True, dpi: int = DPI) -> None:
     """Write atomically in the format the suffix names (PNG, PDF or SVG): a half-written figure never sits at
-    ``path``. ``tight=False`` keeps the figure's exact size (print widths)."""
+    ``path``. ``tight=False`` keeps the figure's exact size (print widths); ``dpi``: a PNG's resolution."""
     path = Path(path)
     if path.suffix.lower() not in FORMATS:
         raise FedfeatError(f"cannot draw {path}: choose a .png, .pdf or .svg file name")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}{path.suffix}")
     try:
-        fig.savefig(tmp, dpi=130, bbox_inches="tight" if tight else None, format=path.suffix.lower()[1:])
+        fig.savefig(tmp, dpi=dpi, bbox_inches="tight" if tight else None, format=path.suffix.lower()[1:])
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -82,27 +94,132 @@ def plot_curves(
     path: str | Path,
     title: str = "",
     ylabel: str = "test accuracy (%)",
+    dpi: int = RUN_CURVE_DPI,
 ) -> None:
-    """One line per run: ``curves[label] = (rounds, values)``."""
+    """One line per run: ``curves[label] = (rounds, values)``; each label's line style is ``line_style``'s (the
+    label's first word taken as its method), rounds are whole-number ticks, a long title is wrapped."""
+    import textwrap
+
+    from matplotlib.ticker import MaxNLocator
+
     plt = _plt()
     many = len(curves) > 4
     fig, ax = plt.subplots(figsize=(9.5 if many else 6.4, 4.2))
-    cmap = plt.get_cmap("tab20" if len(curves) > 10 else "tab10")
-    for i, (label, (xs, ys)) in enumerate(curves.items()):
+    styles = figure_styles([(label, None) for label in curves])
+    for k, (label, (xs, ys)) in enumerate(curves.items()):
+        st = styles[label]
         ax.plot(
-            xs, ys, marker="o" if len(xs) <= 30 else None, markersize=3, label=label, color=cmap(i % cmap.N)
+            xs,
+            ys,
+            marker=st["marker"] if len(xs) <= 30 else None,
+            markersize=3,
+            label=label,
+            color=st["color"],
+            ls=st["ls"],
+            lw=_line_width(k, 1.5),
         )
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds: no 0.5
     ax.set_xlabel("round")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     if title:
-        ax.set_title(title)
+        ax.set_title("\n".join(textwrap.wrap(title, 70)))
     if many:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     elif len(curves) > 1:
         ax.legend(fontsize=7, loc="best")
-    _save(fig, path)
+    _save(fig, path, dpi=dpi)
     plt.close(fig)
+
+
+def run_title(method: str, params: dict, store: str, partition: str, seed) -> str:
+    """Each run's own ``curve.png`` title, in words: the method and its hyperparameters that differ from the
+    method's defaults, the store's file name, the partition (``readable_partition``) and the seed, e.g.
+    ``fedavg lr=0.1 on s.zarr, Dir(α = 0.5), 5 clients, seed 0``."""
+    from fedfeat.report.load import changed_params
+
+    changed = " ".join(f"{k}={_fmt(v)}" for k, v in changed_params(method, params).items())
+    words = [f"{method} {changed}".strip() + f" on {Path(str(store)).name}"]
+    if partition and partition != "no-partition":
+        words.append(readable_partition(partition))
+    return ", ".join(words + [f"seed {seed}"])
+
+
+# --------------------------------------------------------------------------------------------- line styles
+
+# Tableau 10 (matplotlib's default colour cycle, "tab10") without its grey, which the zero-shot line uses
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h")
+# the built-in methods in a fixed order (ours: the linear-head baselines first, as the demo draws them; the rest
+# as ``fedfeat.methods`` registered them when this list was made). A method's place gives its colour and marker
+# (``line_style``); a name not listed (a plugin, a method added later) is hashed to a place after these, so no
+# listed method ever changes its look. Append new names; never reorder.
+STYLE_ORDER = ("fedavg", "fedprox", "fedavgm", "fedntd", "fst-cbdg", "centralized", "creff", "clip2fl", "fedclip",
+               "fed-mp", "promptfl", "fedtpg", "fedcopl", "copl-linear", "fednova", "fed-focal", "ratio-loss",
+               "fedavg-tau-norm", "ccvr", "feddf", "fedbe", "pfedprompt", "fedopt", "zeroshot", "fedadam", "fedyogi",
+               "fedadagrad", "scaffold", "feddyn")  # fmt: skip
+# (colour, marker) pairs are distinct for the first len(PALETTE) * len(MARKERS) places (9 and 10 are coprime)
+_PLACES = len(PALETTE) * len(MARKERS)
+# a setting's variant of a method (``fedprox mu=0.1``): the method's colour, one of these dash patterns
+VARIANT_LINESTYLES = ("--", "-.", ":", (0, (5, 1.5, 1, 1.5, 1, 1.5)))
+
+
+def _stable_hash(text: str) -> int:
+    return zlib.crc32(text.encode("utf-8"))  # the same in every process (Python's hash() is salted)
+
+
+def method_place(method: str) -> int:
+    """A method's place in the style order: its index in ``STYLE_ORDER``, else a hash of its name into the places
+    after those (the same in every figure, process and machine)."""
+    if method in STYLE_ORDER:
+        return STYLE_ORDER.index(method)
+    return len(STYLE_ORDER) + _stable_hash(method) % (_PLACES - len(STYLE_ORDER))
+
+
+def line_style(label: str, method: str | None = None) -> dict:
+    """``{"color", "marker", "ls"}`` of a curve, from its label alone: its method (``method``, else the label's
+    first word) gives the colour and, for the method's own label, the marker and a solid line; a label that names
+    settings (``fedprox mu=0.1``) keeps the method's colour with a dash pattern and another marker chosen by a
+    hash of the settings' text. So a method, and a setting of it, looks the same in every figure of a project."""
+    method = method or (label.split()[0] if label.split() else label)
+    i = method_place(method)
+    color, marker = PALETTE[i % len(PALETTE)], i % len(MARKERS)
+    variant = label[len(method) :].strip() if label.startswith(method) else label
+    if not variant:
+        return {"color": color, "marker": MARKERS[marker], "ls": "-"}
+    h = _stable_hash(variant)
+    return {
+        "color": color,
+        "marker": MARKERS[(marker + 1 + h % (len(MARKERS) - 1)) % len(MARKERS)],  # never the method's own
+        "ls": VARIANT_LINESTYLES[h % len(VARIANT_LINESTYLES)],
+    }
+
+
+def figure_styles(labels: list[tuple[str, str | None]]) -> dict[str, dict]:
+    """``{label: line_style(label, method)}`` for a figure's ``(label, method)`` pairs; where two labels would get
+    the same colour and marker (two settings of a method whose hashes meet), the later one takes the next marker
+    free in that colour, so no two curves of one figure look alike (up to 10 labels of one colour)."""
+    out: dict[str, dict] = {}
+    taken: set = set()  # (colour, marker) pairs given out
+    for label, method in labels:
+        if label in out:
+            continue
+        st = dict(line_style(label, method))
+        first = MARKERS.index(st["marker"])
+        for step in range(len(MARKERS)):
+            marker = MARKERS[(first + step) % len(MARKERS)]
+            if (st["color"], marker) not in taken:
+                st["marker"] = marker
+                break
+        taken.add((st["color"], st["marker"]))
+        out[label] = st
+    return out
+
+
+def _line_width(k: int, base: float) -> float:
+    """The ``k``-th line of a panel: each later one thinner (a curve drawn over an identical earlier one leaves
+    the earlier's edges showing), never below 45 % of the first."""
+    return base * max(0.45, 1.0 - 0.12 * k)
 
 
 # --------------------------------------------------------------------------------------------- partitions
@@ -286,6 +403,7 @@ def seed_groups(runs, metric: str | list[str] = "test_acc", panel_key: str = "pa
                 "runs": per_metric[metrics[0]] if isinstance(metric, str) else per_metric,
                 "seeds": [m[0].get("seed") for m in members],
                 "key": dict(items),
+                "method": str(items.get("method")),
             }
         )
     return out
@@ -316,14 +434,15 @@ def _fig_size(size: str | None, nr: int, nc: int) -> tuple[float, float]:
     return w, min(0.9 + nr * max(1.6, 0.8 * panel_w), 9.0)
 
 
-def _one_legend(fig, axes) -> None:
+def _one_legend(fig, axes, force: bool = False) -> None:
     """One legend for the whole figure, below the panels (each label once, in first-drawn order), >= 8 pt, in as
-    many columns as fit the figure's width; the figure grows by the legend's height (panels keep theirs)."""
+    many columns as fit the figure's width; the figure grows by the legend's height (panels keep theirs). A single
+    curve gets none unless ``force`` (its entry says something: a diverged run)."""
     seen: dict = {}
     for ax in axes:
         for h, lab in zip(*ax.get_legend_handles_labels()):
             seen.setdefault(lab, h)
-    if not (len(seen) > 1 or "zero-shot" in seen):
+    if not (len(seen) > 1 or "zero-shot" in seen or (force and seen)):
         return
     fs = _plt().rcParams["legend.fontsize"]
     fs = max(8.0, float(fs)) if isinstance(fs, (int, float)) else 8.0  # never below 8 pt
@@ -358,8 +477,15 @@ def _draw_seed_curves(
     """The figure (returned open). One panel per distinct ``panel`` value (first-seen order; with a metric list,
     one panel per (panel, metric): metrics as rows, panels as columns), y axis shared; per group the mean over
     seeds with a shaded ± std band (ddof=1; none when n = 1); ONE legend for the figure, below the panels, reads
-    "label (n=seeds)". ``reference``: a number or ``{panel: number}``, drawn dashed as "zero-shot". ``size``:
-    one-column / two-column print widths (:data:`SIZES`), or None for a screen figure."""
+    "label (n=seeds)" (", k diverged" where a group's ``diverged`` count is > 0). ``reference``: the zero-shot
+    level, drawn dashed as "zero-shot": a number or ``{panel: number}`` (the overall accuracy: on every row of a
+    one-metric figure, on the ``test_acc`` row of a metric list), or ``{panel: {metric: number}}`` (each row its
+    own: zero-shot's many / medium / few accuracy on those rows; a row without a number gets no line). ``size``:
+    one-column / two-column print widths (:data:`SIZES`), or None for a screen figure.
+
+    Each group's look is ``line_style``'s for its label (and ``method``), the same in every figure; within a panel
+    each later line is thinner and its markers sit at other rounds (``markevery`` offset), so that curves that
+    coincide (two methods that learn the same thing) all stay visible."""
     plt = _plt()
     from matplotlib.ticker import MaxNLocator
 
@@ -367,17 +493,21 @@ def _draw_seed_curves(
         raise FedfeatError("no runs to plot")
     metrics = [metric] if isinstance(metric, str) else list(metric)
     panels = list(dict.fromkeys(str(g.get("panel", "")) for g in groups))
-    labels = list(dict.fromkeys(g["label"] for g in groups))
-    cmap = plt.get_cmap("tab20" if len(labels) > 10 else "tab10")
-    color = {lab: cmap(i % cmap.N) for i, lab in enumerate(labels)}
+    style = figure_styles([(g["label"], g.get("method")) for g in groups])
     seeds_of: dict = {}  # label -> seed counts over its panels: one legend entry per label, "n=3" or "n=2-3"
+    diverged: dict = {}  # label -> diverged runs over its panels
     for g in groups:
         v = g["runs"] if isinstance(metric, str) else g["runs"][metrics[0]]
         seeds_of.setdefault(g["label"], set()).add(len(v))
+        diverged[g["label"]] = diverged.get(g["label"], 0) + int(g.get("diverged") or 0)
     legend_text = {
-        lab: f"{lab} (n={min(ns)}" + (f"–{max(ns)}" if len(ns) > 1 else "") + ")"
+        lab: f"{lab} (n={min(ns)}"
+        + (f"–{max(ns)}" if len(ns) > 1 else "")
+        + (f", {diverged[lab]} diverged" if diverged[lab] else "")
+        + ")"
         for lab, ns in seeds_of.items()
     }
+    base_lw = float(plt.rcParams["lines.linewidth"]) * 1.2
     nr, nc = len(metrics), len(panels)
     fig, axes = plt.subplots(
         nr, nc, figsize=_fig_size(size, nr, nc), sharey=True, squeeze=False, layout="constrained"
@@ -385,6 +515,7 @@ def _draw_seed_curves(
     for i, m in enumerate(metrics):
         for j, panel in enumerate(panels):
             ax = axes[i][j]
+            k = 0  # the line's place in this panel
             for g in groups:
                 if str(g.get("panel", "")) != panel:
                     continue
@@ -393,10 +524,15 @@ def _draw_seed_curves(
                     continue
                 mean, std = mean_std(vals)
                 xs = np.asarray(g["rounds"], dtype=float)
-                ax.plot(xs, mean, color=color[g["label"]], lw=1.4, label=legend_text[g["label"]])
+                st = style[g["label"]]
+                every = max(1, int(np.ceil(len(xs) / 10)))  # about 10 markers a line
+                ax.plot(xs, mean, color=st["color"], ls=st["ls"], marker=st["marker"],
+                        markevery=(k % every, every), ms=max(3.0, 5.5 - 0.5 * k), lw=_line_width(k, base_lw),
+                        label=legend_text[g["label"]], zorder=2.0 + 0.01 * k)  # fmt: skip
                 if std is not None:
-                    ax.fill_between(xs, mean - std, mean + std, color=color[g["label"]], alpha=0.2, lw=0)
-            ref = reference.get(panel) if isinstance(reference, dict) else reference
+                    ax.fill_between(xs, mean - std, mean + std, color=st["color"], alpha=0.2, lw=0)
+                k += 1
+            ref = _reference_for(reference, panel, m, len(metrics) > 1)
             if ref is not None:
                 ax.axhline(float(ref), color="0.3", ls="--", lw=1.0, label="zero-shot")
             ax.grid(alpha=0.3)
@@ -407,10 +543,23 @@ def _draw_seed_curves(
                 ax.set_ylabel(METRIC_LABELS.get(m, m))
             if i == 0 and (nc > 1 or panel):
                 _title(ax, panel, fig, nc)
-    _one_legend(fig, [ax for row in axes for ax in row])
+    _one_legend(fig, [ax for row in axes for ax in row], force=any(diverged.values()))
     if title:
-        fig.suptitle(title)
+        import textwrap
+
+        fs = plt.rcParams["figure.titlesize"]
+        fs = float(fs) if isinstance(fs, (int, float)) else 12.0
+        chars = max(20, int(fig.get_size_inches()[0] * 72 / (0.55 * fs)))
+        fig.suptitle("\n".join(textwrap.wrap(title, chars)))
     return fig
+
+
+def _reference_for(reference, panel: str, metric: str, several: bool):
+    """The zero-shot level of one panel's row (``_draw_seed_curves``'s ``reference``), or None."""
+    ref = reference.get(panel) if isinstance(reference, dict) else reference
+    if isinstance(ref, dict):
+        return ref.get(metric)
+    return ref if not several or metric == "test_acc" else None
 
 
 def _panel_title(panel_key: str, value) -> str:
@@ -429,8 +578,10 @@ def plot_seed_curves(
     title: str | None = None,
     metric: str | list[str] = "test_acc",
     size: str | None = None,
+    dpi: int = DPI,
 ) -> None:
-    """Mean ± std over seeds per group, one panel per ``panel`` value, to ``path`` (.png, .pdf or .svg).
+    """Mean ± std over seeds per group, one panel per ``panel`` value, to ``path`` (.png, .pdf or .svg; ``dpi``:
+    a PNG's resolution, ``DPI`` by default).
 
     ``groups``: ``[{"label": str, "panel": str, "rounds": [r...], "runs": [[value per round] per seed]}]`` (as
     :func:`seed_groups` makes them; ``panel_key`` names what ``panel`` holds: partition keys become readable
@@ -449,7 +600,7 @@ def plot_seed_curves(
         )
         fig = _draw_seed_curves(named, reference=ref, title=title, metric=metric, size=size)
         try:
-            _save(fig, path, tight=size is None)
+            _save(fig, path, tight=size is None, dpi=dpi)
         finally:
             plt.close(fig)
 
@@ -509,9 +660,7 @@ def _draw_clients(groups: list[dict], *, size: str | None = None, frac: float = 
             "no runs with per-client results (results.npz client_acc; train with --local-test)"
         )
     panels = list(dict.fromkeys(str(g.get("panel", "")) for g in groups))
-    labels = list(dict.fromkeys(g["label"] for g in groups))
-    cmap = plt.get_cmap("tab20" if len(labels) > 10 else "tab10")
-    color = {lab: cmap(i % cmap.N) for i, lab in enumerate(labels)}
+    style = figure_styles([(g["label"], g.get("method")) for g in groups])
     fig, axes = plt.subplots(
         1,
         len(panels),
@@ -522,9 +671,11 @@ def _draw_clients(groups: list[dict], *, size: str | None = None, frac: float = 
     )
     for j, panel in enumerate(panels):
         ax = axes[0][j]
+        k = 0
         for g in groups:
             if str(g.get("panel", "")) != panel:
                 continue
+            st = style[g["label"]]
             vecs = [np.sort(np.asarray(a, float)[~np.isnan(np.asarray(a, float))])[::-1] for a in g["acc"]]
             vecs = [v for v in vecs if len(v)]
             if not vecs:
@@ -536,11 +687,11 @@ def _draw_clients(groups: list[dict], *, size: str | None = None, frac: float = 
             worst = float(np.mean([np.mean(v[::-1][: max(1, int(np.ceil(frac * len(v))))]) for v in vecs]))
             xs = np.linspace(0, 1, n) if n > 1 else np.zeros(1)
             lab = f"{g['label']} (n={len(vecs)}; worst {frac:.0%}: {worst:.1f})"
-            ax.plot(
-                xs, mean, color=color[g["label"]], lw=1.4, label=lab, marker="o" if n <= 20 else None, ms=3
-            )
+            ax.plot(xs, mean, color=st["color"], ls=st["ls"], lw=_line_width(k, 1.6), label=lab,
+                    marker=st["marker"] if n <= 20 else None, ms=3)  # fmt: skip
             if std is not None:
-                ax.fill_between(xs, mean - std, mean + std, color=color[g["label"]], alpha=0.2, lw=0)
+                ax.fill_between(xs, mean - std, mean + std, color=st["color"], alpha=0.2, lw=0)
+            k += 1
         ax.grid(alpha=0.3)
         ax.set_xlabel("client rank (best → worst, fraction of clients)")
         if j == 0:
@@ -552,16 +703,21 @@ def _draw_clients(groups: list[dict], *, size: str | None = None, frac: float = 
 
 
 def plot_clients(
-    groups: list[dict], path: str | Path, *, panel_key: str = "partition", size: str | None = None
+    groups: list[dict],
+    path: str | Path,
+    *,
+    panel_key: str = "partition",
+    size: str | None = None,
+    dpi: int = DPI,
 ) -> None:
     """The per-client figure (:func:`_draw_clients`) to ``path`` (.png, .pdf or .svg); partition panels get
-    readable titles; ``size`` as in :func:`plot_seed_curves`."""
+    readable titles; ``size`` and ``dpi`` as in :func:`plot_seed_curves`."""
     _check_suffix(path)
     plt = _plt()
     with plt.rc_context(_print_rc(size)):
         named = [dict(g, panel=_panel_title(panel_key, g.get("panel", ""))) for g in groups]
         fig = _draw_clients(named, size=size)
         try:
-            _save(fig, path, tight=size is None)
+            _save(fig, path, tight=size is None, dpi=dpi)
         finally:
             plt.close(fig)

@@ -167,7 +167,7 @@ def partition_command(
         print_partition_stats(counts, st.class_names)
     try:
         if export is not None:
-            P.to_json(part, export)
+            P.to_json(part, export, store_fingerprint=st.attrs.get("fingerprint_hash"))
             con.print(f"exported client indices to {export}")
         if plot is not None:
             from fedfeat.report.plots import plot_partition

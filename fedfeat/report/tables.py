@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -12,7 +11,18 @@ from pathlib import Path
 import numpy as np
 
 from fedfeat.errors import FedfeatError
-from fedfeat.report.load import MEMORY_KEYS, collect_runs, unfinished_runs, worst_client_acc
+from fedfeat.report.load import (
+    MEMORY_KEYS,
+    SUMMARY_EXTRAS,
+    changed_params,
+    collect_runs,
+    diverged_text,
+    unfinished_runs,
+    worst_client_acc,
+)
+from fedfeat.report.plots import DPI
+
+DAGGER = "†"  # marks a diverged run's (or a group with one) final accuracy; a footnote line names it
 
 
 def report(
@@ -28,8 +38,21 @@ def report(
     size: str | None = None,
     kind: str = "curves",
     memory: bool = False,
+    dpi: int = DPI,
 ) -> str:
     """A comparison table of finished runs (markdown or CSV) and, optionally, all their curves in one PNG.
+
+    Each run is counted once, however many paths name it: a run is its settings (every setting its config.toml
+    groups by, ``fedfeat.spec.group_items``: method, hyperparameters, partition, store fingerprint, ...) and its
+    seed, not its directory. ``report DIR DIR`` is ``report DIR``, and the same run made by two launchers into two
+    folders is one run: the later copies are dropped, said in one line on stderr (``warn``) naming each dropped
+    directory and the one kept (the first in the order given). Copies whose results disagree (another final
+    accuracy: other code, another device) are not merged silently: each gets a warning line, and the first is kept.
+
+    A run whose summary.json says it diverged (``"diverged": {"round", "reason"}``, a missing key is a healthy run
+    made before the key existed) is marked: in markdown its final accuracy (or its seed group's) carries ``†`` and
+    a footnote line "† diverged: NAME at round R (reason)" follows the table; CSV has a ``diverged`` column; JSON a
+    ``diverged`` field (null or the summary's object per run; a list of the diverged runs per seed group).
 
     ``seeds``: one row per group of runs that differ only in ``--seed``: mean ± sample std (n - 1) and n.
     ``best``: per method, partition and store, only the settings with the best mean selection metric -- the
@@ -46,17 +69,23 @@ def report(
     is one JSON object ``{"selection": <how the settings were selected>, "selected_on": "val_acc" | "final_acc",
     "groups": [...]}``; in markdown / CSV that sentence is the first line.
 
-    ``memory``: the per-run table also shows each run's measured memory (summary.json's ``peak_rss_bytes``,
-    ``rss_bytes_at_end``, ``peak_device_bytes``; see ``fedfeat.runs.train.memory_figures``) in GB, "-" where a run
-    has none (made before they were recorded; no CUDA). The JSON output always has them (bytes)."""
+    ``memory``: the tables also show the measured memory (summary.json's ``peak_rss_bytes``, ``rss_bytes_at_end``,
+    ``peak_device_bytes``; see ``fedfeat.runs.train.memory_figures``) in GB, "-" where a run has none (made before
+    they were recorded; no CUDA); with ``seeds`` / ``best`` as mean ± std over the group's runs that have it. The
+    JSON output always has them (bytes; per group under ``metrics``).
+
+    ``dpi``: the resolution of a PNG figure (``DPI`` = 200 by default; PDF / SVG are vector). With ``best`` the
+    figure's title says on what the settings were selected (the test split, when no run has a validation split).
+    The per-run table names each run (``name``, its directory) and its ``seed``."""
 
     if fmt not in ("markdown", "csv", "json"):
         raise FedfeatError(f"unknown format '{fmt}'; choose markdown, csv or json")
     warn = warn or (lambda msg: print(msg, file=sys.stderr))
+    _check_dpi(dpi)
     problems: list[str] = []
     found, parents = collect_runs(paths, problems.append)
     runs = [(summary, rows, q) for (summary, rows), q in found]
-    unfinished = unfinished_runs(parents) if all_runs else []
+    unfinished = unfinished_runs(_distinct_paths(parents)) if all_runs else []
     if not runs and not unfinished:  # one line: the first reason stands for all
         why = ""
         if problems:
@@ -72,27 +101,32 @@ def report(
     if plot is not None:
         _check_figure_args(runs, metric, size, kind)
     known: dict = {}  # run directory -> its setting (config.toml read once)
+    runs = distinct_runs(runs, known, warn)
+    fig = dict(metric=metric, size=size, kind=kind, known=known, dpi=dpi)
     if best:
         runs, note, on = _best_settings(runs, known)
         if plot is not None:
-            seed_figure(runs, plot, metric=metric, size=size, kind=kind, known=known)
+            seed_figure(runs, plot, title=_best_title(on), **fig)
         if fmt == "json":  # one valid JSON document: the selection rule is a field
-            groups = json.loads(seed_table([s for s, _, _ in runs], fmt, _settings(runs, known)))
+            groups = json.loads(seed_table(_summaries(runs), fmt, _settings(runs, known), memory=memory))
             return json.dumps({"selection": note, "selected_on": on, "groups": groups}, indent=1)
-        return note + "\n\n" + seed_table([s for s, _, _ in runs], fmt, _settings(runs, known))
+        return note + "\n\n" + seed_table(_summaries(runs), fmt, _settings(runs, known), memory=memory)
     if seeds:
         if plot is not None:
-            seed_figure(runs, plot, metric=metric, size=size, kind=kind, known=known)
-        return seed_table([s for s, _, _ in runs], fmt, _settings(runs, known))
+            seed_figure(runs, plot, **fig)
+        return seed_table(_summaries(runs), fmt, _settings(runs, known), memory=memory)
     if plot is not None:  # before any return: --plot always writes its file
-        seed_figure(runs, plot, metric=metric, size=size, kind=kind, known=known)
-    if fmt == "json":  # the runs' summaries, plain numbers
-        return json.dumps([{**s, "path": str(q)} for s, _, q in runs], indent=1)
+        seed_figure(runs, plot, **fig)
+    # JSON: the runs' summaries, plain numbers; "diverged" null for a run made before the key existed
+    if fmt == "json":
+        return json.dumps(
+            [{**s, "diverged": s.get("diverged"), "path": str(q)} for s, _, q in runs], indent=1
+        )
     has_lt = any("many_acc" in s for s, _, _ in runs)
     has_pl = any(s.get("pseudo_label_acc") is not None for s, _, _ in runs)
     # "best acc" is the best evaluated round on the test split itself: labelled so; a run with a validation split
     # (--val-split, open vocabulary's query validation) also gets the test accuracy at its best validation round
-    cols = ["method", "settings", "partition", "labels", "rounds", "round-0 acc", "final acc",
+    cols = ["method", "settings", "partition", "seed", "labels", "rounds", "round-0 acc", "final acc",
             "best acc (selected on test)"]  # fmt: skip
     has_val = any(s.get("test_acc_at_best_val") is not None for s, _, _ in runs)
     if has_val:
@@ -114,22 +148,23 @@ def report(
         k for k in MEMORY_KEYS if k == "peak_rss_bytes" or any(s.get(k) is not None for s, _, _ in runs)
     ]
     mem_keys = mem_keys if memory else []
-    if memory:
-        names = {"peak_rss_bytes": "peak RSS (GB)", "rss_bytes_at_end": "RSS at end (GB)",
-                 "peak_device_bytes": "peak device (GB)"}  # fmt: skip
-        cols += [names[k] for k in mem_keys]
+    cols += [MEMORY_NAMES[k] for k in mem_keys]
+    notes = [diverged_text(s, _run_name(s, q)) for s, _, q in runs]
+    if fmt == "csv" and any(notes):  # CSV: a column, never prose under the table
+        cols += ["diverged"]
+    cols += ["name"]
     rows = []
-    for s, _m, q in runs:
-        defaults = _method_defaults(s["method"])
-        changed = {k: v for k, v in s["params"].items() if defaults.get(k, v) != v}
+    for (s, _m, q), note in zip(runs, notes):
+        changed = changed_params(s["method"], s["params"])
         row = [
             s["method"],
             " ".join(f"{k}={v}" for k, v in changed.items()) or "-",
             s["partition"],
+            "-" if s.get("seed") is None else str(s["seed"]),
             "yes" if s.get("uses_labels", True) else "no",
             str(s["rounds"]),
             f"{s['initial_acc']:.2f}",
-            f"{s['final_acc']:.2f}",
+            f"{s['final_acc']:.2f}" + (f" {DAGGER}" if note and fmt == "markdown" else ""),
             f"{s['best_acc']:.2f}",
         ]
         if has_val:
@@ -144,9 +179,137 @@ def report(
             row += [_fmt(s.get("local_acc")), _fmt(worst_client_acc(q))]
         row += [f"{s['seconds_per_round']:.3f}", f"{s['bytes_up'] / 1e6:.1f}"]
         row += ["-" if s.get(k) is None else f"{s[k] / 1e9:.2f}" for k in mem_keys]
+        if fmt == "csv" and any(notes):
+            row += [note or ""]
+        row += [_run_name(s, q)]
         rows.append(row)
-    text = _table(cols, rows, fmt)
+    text = _table(cols, rows, fmt) + _footnotes([n for n in notes if n], fmt)
     return text + ("\n\n" + _unfinished_table(unfinished, fmt) if unfinished else "")
+
+
+MEMORY_NAMES = {"peak_rss_bytes": "peak RSS (GB)", "rss_bytes_at_end": "RSS at end (GB)",
+                "peak_device_bytes": "peak device (GB)"}  # fmt: skip
+
+
+def _summaries(runs: list) -> list[dict]:
+    """Each run's summary, its directory's name added as ``name`` where the summary has none (older runs)."""
+    return [{**r[0], "name": _run_name(r[0], r[2] if len(r) > 2 else None)} for r in runs]
+
+
+def _run_name(s: dict, q) -> str:
+    return str(s.get("name") or (Path(q).name if q is not None else s["method"]))
+
+
+def _footnotes(notes: list[str], fmt: str) -> str:
+    """Markdown: a line "† diverged: NAME at round R (reason)" per diverged run, under the table."""
+    if fmt != "markdown" or not notes:
+        return ""
+    return "\n\n" + "\n".join(f"{DAGGER} diverged: {n}" for n in notes)
+
+
+def _check_dpi(dpi) -> None:
+    # 50..1200: below 50 a figure's text is unreadable; above 1200 a screen-size PNG (18 x 14 in) is > 20k pixels
+    # a side (hundreds of MB in memory); 300 is journals' usual raster minimum
+    if isinstance(dpi, bool) or not isinstance(dpi, int) or not 50 <= dpi <= 1200:
+        raise FedfeatError(f"--dpi must be a whole number from 50 to 1200 (got {dpi!r}); e.g. --dpi 300")
+
+
+def _distinct_paths(paths: list[Path]) -> list[Path]:
+    """``paths`` without repeats (the same folder named twice, or by two spellings), in order."""
+    seen, out = set(), []
+    for p in paths:
+        k = Path(p).resolve()
+        if k not in seen:
+            seen.add(k)
+            out.append(p)
+    return out
+
+
+# the results two copies of one run are compared on: copies that differ in one are not merged silently
+_RESULT_KEYS = ("final_acc", "best_acc", "initial_acc", *SUMMARY_EXTRAS)
+# what may explain two copies' different results (shown in the warning where the copies differ in it)
+_MADE_WITH = (("device", ("device",)), ("fedfeat", ("provenance", "fedfeat")),
+              ("git commit", ("provenance", "git_commit")), ("torch", ("env", "torch")))  # fmt: skip
+
+
+def run_identity(summary: dict, settings: dict) -> tuple | None:
+    """What makes a run the same run wherever its directory is: its settings (``run_settings``: every setting the
+    run specification groups by, hyperparameters included) and its seed. None when the summary has no seed (a
+    run that cannot be told apart: never merged)."""
+    if summary.get("seed") is None:
+        return None
+    return tuple((k, repr(v)) for k, v in settings.items()), repr(summary["seed"])
+
+
+def distinct_runs(runs: list, known: dict | None = None, warn=None) -> list:
+    """``runs`` (``(summary, rows, run dir)``) with each run once (``run_identity``), the first of its copies kept
+    in the order given. The dropped copies are named in one ``warn`` line; a copy whose results differ from the
+    kept one's (``_RESULT_KEYS``) gets its own warning line instead, saying what differs."""
+    warn = warn or (lambda msg: print(msg, file=sys.stderr))
+    first: dict = {}
+    kept, same, disagree = [], [], []
+    for r, items in zip(runs, _settings(runs, known)):
+        key = run_identity(r[0], items)
+        if key is None or key not in first:
+            if key is not None:
+                first[key] = r
+            kept.append(r)
+            continue
+        k = first[key]
+        diff = _results_differ(k[0], r[0])
+        (disagree if diff else same).append((r, k, diff))
+    if same:
+        shown = [_kept_words(r[2], k[2]) for r, k, _ in same]
+        more = f", and {len(shown) - 6} more" if len(shown) > 6 else ""
+        warn(
+            f"report: {len(same)} run director{'y is a duplicate' if len(same) == 1 else 'ies are duplicates'} "
+            f"of runs already counted (same settings and seed): {', '.join(shown[:6])}{more}"
+        )
+    for r, k, diff in disagree:
+        made = [
+            f"{what} {_dig(k[0], path) or '-'} vs {_dig(r[0], path) or '-'}"
+            for what, path in _MADE_WITH
+            if _dig(k[0], path) != _dig(r[0], path)
+        ]
+        warn(
+            f"warning: {k[2]} and {r[2]} are the same run (same settings and seed) but their results disagree "
+            f"({diff}{'; made with ' + ', '.join(made) if made else ''}); kept the first, dropped the second: "
+            "check which is right and delete the other"
+        )
+    return kept
+
+
+def _kept_words(dropped, kept) -> str:
+    """``DROPPED (named twice)`` / ``DROPPED (kept the one in FOLDER)`` / ``DROPPED (kept KEPT)``."""
+    d, k = Path(dropped), Path(kept)
+    if d.resolve() == k.resolve():
+        return f"{d} (named twice)"
+    return f"{d} (kept the one in {k.parent})" if d.name == k.name else f"{d} (kept {k})"
+
+
+def _dig(d: dict, path: tuple):
+    for p in path:
+        d = d.get(p) if isinstance(d, dict) else None
+    return d
+
+
+def _results_differ(a: dict, b: dict) -> str:
+    """The first result two copies of a run disagree on, as ``final_acc 31.00 vs 34.00``; "" when they agree."""
+    for k in _RESULT_KEYS:
+        x, y = a.get(k), b.get(k)
+        if x is None and y is None:
+            continue
+        if x is None or y is None or abs(float(x) - float(y)) > 1e-9:
+            show = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+            return f"{k} {show(x)} vs {show(y)}"
+    return ""
+
+
+def _best_title(on: str) -> str:
+    """The ``--best`` figure's title: on what the settings were selected."""
+    if on == "val_acc":
+        return "settings selected on the validation accuracy (val_acc)"
+    return "settings selected on the TEST split (no validation split): optimistic, not a held-out result"
 
 
 def _table(cols: list[str], rows: list[list[str]], fmt: str) -> str:
@@ -205,8 +368,7 @@ def _best_settings(runs: list, known: dict | None = None) -> tuple[list, str, st
     by_group: dict[tuple, dict[str, list]] = {}
     for r, items in zip(runs, _settings(runs, known)):
         s = r[0]
-        defaults = _method_defaults(s["method"])
-        changed = " ".join(f"{k}={v}" for k, v in s["params"].items() if defaults.get(k, v) != v) or "-"
+        changed = " ".join(f"{k}={v}" for k, v in changed_params(s["method"], s["params"]).items()) or "-"
         outer = tuple((k, repr(v)) for k, v in items.items() if not k.startswith("params."))
         by_group.setdefault(outer, {}).setdefault(changed, []).append(r)
     kept = []
@@ -284,13 +446,23 @@ def store_zeroshot(store_path) -> float | None:
     return acc
 
 
-def _zeroshot_reference(zs, others, metric: str) -> dict | None:
-    """``{partition: zero-shot accuracy}`` for the test-accuracy figure: a ``zeroshot`` run's final accuracy where
-    the set has one for that partition, else the store's (``store_zeroshot``) when the panel's runs read one store
+def _zeroshot_reference(zs, others, metrics: list[str]) -> dict | None:
+    """``{partition: {metric: zero-shot accuracy}}`` for the accuracy figure's rows (``metrics``: ``test_acc`` and,
+    for long-tailed runs, ``many_acc`` / ``medium_acc`` / ``few_acc``): the mean over the set's ``zeroshot`` runs of
+    that partition of their final accuracy (``test_acc``) and of their own many / medium / few accuracy (a row
+    gets zero-shot's accuracy on that group, never the overall one); where the set has no zeroshot run for a
+    partition, the store's (``store_zeroshot``, the ``test_acc`` row only) when the panel's runs read one store
     and are not open-vocabulary (their test accuracy is on novel classes only)."""
-    if metric != "test_acc":
+    if metrics[0] != "test_acc":
         return None
-    ref = {r[0]["partition"]: r[0]["final_acc"] for r in zs}
+    of = {"test_acc": "final_acc", "many_acc": "many_acc", "medium_acc": "medium_acc", "few_acc": "few_acc"}
+    ref: dict = {}
+    for part in dict.fromkeys(r[0]["partition"] for r in zs):
+        mine = [r[0] for r in zs if r[0]["partition"] == part]
+        for m in metrics:
+            vals = [s[of[m]] for s in mine if m in of and s.get(of[m]) is not None]
+            if vals:
+                ref.setdefault(part, {})[m] = float(np.mean(vals))
     stores: dict = {}
     for r in others:
         s = r[0]
@@ -298,10 +470,10 @@ def _zeroshot_reference(zs, others, metric: str) -> dict | None:
             None if "novel_f1" in s or s.get("store") is None else str(s["store"])
         )
     for part, ss in stores.items():
-        if part not in ref and len(ss) == 1 and None not in ss:
+        if "test_acc" not in ref.get(part, {}) and len(ss) == 1 and None not in ss:
             v = store_zeroshot(next(iter(ss)))
             if v is not None:
-                ref[part] = v
+                ref.setdefault(part, {})["test_acc"] = v
     return ref or None
 
 
@@ -313,28 +485,31 @@ def seed_figure(
     size: str | None = None,
     kind: str = "curves",
     known: dict | None = None,
+    title: str | None = None,
+    dpi: int = DPI,
 ) -> None:
     """A paper's figure of seed-grouped runs (``runs``: ``(summary, metrics rows[, run dir])``): one panel per
     partition (readable titles), each setting's mean curve of ``metric`` (a per-round value of metrics.jsonl)
-    with a ± std band over its seeds (``fedfeat.report.plots.plot_seed_curves``), labelled like the seed table
-    (the method and its settings that differ from the method's defaults; defaults unlabelled), one legend for the
-    figure, the zero-shot level as a dashed line (``_zeroshot_reference``: the ``zeroshot`` runs, which are not
-    drawn as curves, else the store's own zero-shot accuracy); long-tailed runs add rows of panels for many /
-    medium / few. ``kind="clients"``: each client's accuracy at the last evaluated round, sorted
-    (``results.npz``'s ``client_acc``; run directories needed)."""
+    with a ± std band over its seeds (``fedfeat.report.plots.plot_seed_curves``), one legend for the figure, the
+    zero-shot level as a dashed line (``_zeroshot_reference``: the ``zeroshot`` runs, which are not drawn as curves,
+    else the store's own zero-shot accuracy); long-tailed runs add rows of panels for many / medium / few, each
+    with zero-shot's accuracy on that group. ``kind="clients"``: each client's accuracy at the last evaluated
+    round, sorted (``results.npz``'s ``client_acc``; run directories needed).
+
+    Labels (``figure_labels``): the method, and every setting in which the method's runs of one panel differ,
+    with its value -- the run at a default value too (``fedprox mu=0.01`` beside ``fedprox mu=0.1``). A method
+    keeps its colour and marker in every figure (``fedfeat.report.plots.line_style``). A group with a diverged
+    run says so in its legend entry. ``title``: the figure's title (``--best``: on what it selected); ``dpi``:
+    a PNG's resolution."""
     from fedfeat.report.plots import plot_clients, plot_seed_curves
 
     _check_figure_args(runs, metric, size, kind)
     zs = [r for r in runs if r[0]["method"] == "zeroshot"]
     others = [r for r in runs if r[0]["method"] != "zeroshot"] or zs
     grouped: dict[tuple, list] = {}
-    for r in others:
-        s = r[0]
-        defaults = _method_defaults(s["method"])
-        changed = " ".join(f"{k}={v}" for k, v in s["params"].items() if defaults.get(k, v) != v)
+    for r, label in zip(others, figure_labels(others, known)):
         items = tuple((k, repr(v)) for k, v in _settings([r], known)[0].items())
-        key = (s["method"] + (f" {changed}" if changed else ""), s["partition"], items)
-        grouped.setdefault(key, []).append(r)
+        grouped.setdefault((label, r[0]["partition"], items), []).append(r)
     if kind == "clients":
         from fedfeat.report.load import load_results
 
@@ -343,12 +518,12 @@ def seed_figure(
             accs = [load_results(r[2]).get("client_acc") if len(r) > 2 else None for r in rs]
             accs = [a[-1] for a in accs if a is not None and len(a)]
             if accs:
-                groups.append({"label": label, "panel": panel, "acc": accs})
+                groups.append({"label": label, "method": rs[0][0]["method"], "panel": panel, "acc": accs})
         if not groups:
             raise FedfeatError(
                 "--kind clients: no run has per-client results (RUN/results.npz client_acc); train with --local-test"
             )
-        plot_clients(groups, path, size=size)
+        plot_clients(groups, path, size=size, dpi=dpi)
         return
     metrics = [metric]
     if metric == "test_acc" and any("many_acc" in r[0] for r in others):
@@ -361,27 +536,65 @@ def seed_figure(
             continue
         by_round = [{r["round"]: r for r in m} for m in ms]
         runs_of = {k: [[br[r].get(k) for r in rounds] for br in by_round] for k in metrics}
-        groups.append({"label": label, "panel": panel, "rounds": rounds,
-                       "runs": runs_of[metric] if len(metrics) == 1 else runs_of})  # fmt: skip
-    reference = _zeroshot_reference(zs if others is not zs else [], others, metric)
+        groups.append({"label": label, "method": rs[0][0]["method"], "panel": panel, "rounds": rounds,
+                       "runs": runs_of[metric] if len(metrics) == 1 else runs_of,
+                       "diverged": sum(diverged_text(r[0]) is not None for r in rs)})  # fmt: skip
+    reference = _zeroshot_reference(zs if others is not zs else [], others, metrics)
     plot_seed_curves(
-        groups, path, reference=reference, metric=metrics[0] if len(metrics) == 1 else metrics, size=size
+        groups,
+        path,
+        reference=reference,
+        metric=metrics[0] if len(metrics) == 1 else metrics,
+        size=size,
+        title=title,
+        dpi=dpi,
     )
+
+
+def _label_value(k: str, v, s: dict) -> str:
+    if k == "store_fingerprint":  # the store's file name reads better than its hash
+        return f"store={Path(str(s.get('store') or v)).name}"
+    return f"{k.removeprefix('params.')}={v}"
+
+
+def figure_labels(runs: list, known: dict | None = None) -> list[str]:
+    """Each run's legend label: its method, then every setting (``run_settings``: run settings first, then the
+    hyperparameters) in which that method's runs in one panel (one partition) differ, with the run's value of
+    it, so that every swept setting is named on every curve, its default value included. Settings that differ only
+    between panels (the partition's own) are the panels' titles, not labels."""
+    settings = _settings(runs, known)
+    varying: dict[str, set] = {}  # method -> the setting keys its runs of one panel differ in
+    seen: dict[tuple, dict] = {}  # (method, partition) -> key -> values
+    for r, items in zip(runs, settings):
+        vals = seen.setdefault((r[0]["method"], r[0]["partition"]), {})
+        for k, v in items.items():
+            vals.setdefault(k, set()).add(repr(v))
+    for (method, _), vals in seen.items():
+        varying.setdefault(method, set()).update(k for k, vs in vals.items() if len(vs) > 1)
+    out = []
+    for r, items in zip(runs, settings):
+        keys = varying.get(r[0]["method"], set())
+        named = [k for k in items if k in keys and not k.startswith("params.")]
+        named += [k for k in items if k in keys and k.startswith("params.")]
+        out.append(" ".join([r[0]["method"]] + [_label_value(k, items[k], r[0]) for k in named]))
+    return out
 
 
 def seed_groups(summaries: list[dict], settings: list[dict] | None = None) -> list[dict]:
     """Runs grouped by everything but the seed, each with every metric's mean, sample standard deviation (n - 1;
-    None for one run) and n. ``settings``: each run's setting (``fedfeat.report.load.run_settings``, from its
-    config.toml: every setting the run specification groups by); default: what the summaries hold."""
+    None for one run) and n (the measured memory in bytes among them, ``MEMORY_KEYS``), and ``diverged``: the
+    group's runs whose summary says they diverged (``[{"name", "seed", "round", "reason"}]``; ``[]`` when none).
+    ``settings``: each run's setting (``fedfeat.report.load.run_settings``, from its config.toml: every setting the
+    run specification groups by); default: what the summaries hold. Count each run once first
+    (``distinct_runs``): a run given twice is two members here."""
     from fedfeat.report.load import run_settings
 
     settings = settings if settings is not None else [run_settings(s) for s in summaries]
     groups: dict[tuple, list[dict]] = {}
     for s, items in zip(summaries, settings):
-        defaults = _method_defaults(s["method"])
-        changed = " ".join(f"{k}={v}" for k, v in s["params"].items() if defaults.get(k, v) != v) or "-"
+        changed = " ".join(f"{k}={v}" for k, v in changed_params(s["method"], s["params"]).items()) or "-"
         groups.setdefault(tuple((k, repr(v)) for k, v in items.items()), []).append((s, changed))
-    metrics = [k for k in SEED_METRICS if any(s.get(k) is not None for s in summaries)]
+    metrics = [k for k in (*SEED_METRICS, *MEMORY_KEYS) if any(s.get(k) is not None for s in summaries)]
     out = []
     for members in groups.values():
         ss = [s for s, _ in members]
@@ -389,7 +602,9 @@ def seed_groups(summaries: list[dict], settings: list[dict] | None = None) -> li
         g = {"method": s0["method"], "settings": changed, "store": Path(str(s0.get("store", ""))).name,
              "store_fingerprint": s0.get("store_fingerprint"), "partition": s0["partition"], "rounds": s0["rounds"],
              "clients": s0.get("clients"), "participation": s0.get("participation"),
-             "n": len(ss), "seeds": [s["seed"] for s in ss], "metrics": {}}  # fmt: skip
+             "n": len(ss), "seeds": [s["seed"] for s in ss], "metrics": {},
+             "diverged": [{"name": s.get("name") or s["method"], "seed": s.get("seed"), **s["diverged"]}
+                          for s in ss if diverged_text(s) is not None]}  # fmt: skip
         for k in metrics:
             v = np.array([s[k] for s in ss if s.get(k) is not None], dtype=np.float64)
             g["metrics"][k] = (
@@ -401,39 +616,51 @@ def seed_groups(summaries: list[dict], settings: list[dict] | None = None) -> li
     return out
 
 
-def seed_table(summaries: list[dict], fmt: str = "markdown", settings: list[dict] | None = None) -> str:
+def seed_table(
+    summaries: list[dict], fmt: str = "markdown", settings: list[dict] | None = None, memory: bool = False
+) -> str:
     """``seed_groups`` as a table: each metric as mean ± sample standard deviation over the group's seeds, with n
-    (markdown, CSV) or as JSON with plain numbers."""
+    (markdown, CSV) or as JSON with plain numbers. ``memory``: the memory columns too (GB, mean ± std over the
+    group's runs that recorded it; JSON always has them, in bytes). A group with a diverged run: markdown marks its
+    final accuracy with † and names the run in a footnote line under the table, CSV has a ``diverged`` column."""
     groups = seed_groups(summaries, settings)
     if fmt == "json":
         return json.dumps(groups, indent=1)
     metrics = [k for k in SEED_METRICS if any(g["metrics"].get(k) for g in groups)]
+    mem_keys = [
+        k
+        for k in MEMORY_KEYS
+        if memory and (k == "peak_rss_bytes" or any(g["metrics"].get(k) for g in groups))
+    ]
+    any_div = any(g["diverged"] for g in groups)
     cols = ["method", "settings", "store", "partition", "rounds", "n", "seeds"] + [
         SEED_METRICS[k] for k in metrics
     ]
-    rows = []
+    cols += [MEMORY_NAMES[k] for k in mem_keys] + (["diverged"] if any_div and fmt == "csv" else [])
+    rows, notes = [], []
     for g in groups:
         row = [g["method"], g["settings"], g["store"], g["partition"], str(g["rounds"]), str(g["n"]),
                ",".join(map(str, g["seeds"]))]  # fmt: skip
+        texts = [f"{d['name']} at round {d['round']} ({d['reason']})" for d in g["diverged"]]
         for k in metrics:
-            m = g["metrics"].get(k)
-            row.append(
-                "-"
-                if m is None
-                else f"{m['mean']:.2f} ± {m['std']:.2f}"
-                if m["n"] > 1
-                else f"{m['mean']:.2f}"
-            )
+            row.append(_mean_std(g["metrics"].get(k)))
+            if k == "final_acc" and texts and fmt == "markdown":
+                row[-1] += f" {DAGGER}"
+        row += [_mean_std(g["metrics"].get(k), 1e9) for k in mem_keys]
+        if any_div and fmt == "csv":
+            row.append("; ".join(texts))
+        notes += texts
         rows.append(row)
-    return _table(cols, rows, fmt)
+    return _table(cols, rows, fmt) + _footnotes(notes, fmt)
+
+
+def _mean_std(m: dict | None, unit: float = 1.0) -> str:
+    if m is None:
+        return "-"
+    if m["n"] > 1:
+        return f"{m['mean'] / unit:.2f} ± {m['std'] / unit:.2f}"
+    return f"{m['mean'] / unit:.2f}"
 
 
 def _fmt(v) -> str:
     return "-" if v is None else f"{v:.2f}"
-
-
-def _method_defaults(name: str) -> dict:
-    from fedfeat.methods import REGISTRY
-
-    cls = REGISTRY.get(name)
-    return dataclasses.asdict(cls.Params()) if cls else {}

@@ -12,13 +12,29 @@ error. A method that predicts from the target store's class text features (adapt
 as promptfl / fedtpg) scores any class. Methods whose saved weights need their run's training state (per-client
 prompts, server data) are refused where their ``predict`` cannot use the saved weights alone.
 
-Output (``out``, default ``RUN/eval-<store name>``): ``eval.json`` (accuracy, per-class accuracy, macro F1, the
-confusion matrix's file, the run and store), ``results.npz`` (``class_acc`` [1, K], ``confusion`` [K, K]; as a run's)
-and the result in CLIP_benchmark's JSON (``fedfeat.report.clipbench``)."""
+Output (``out``, default ``RUN/eval-<folder>-<store name>-<fingerprint>``: the folder holding the store -- the
+dataset's folder in ``encode``'s layout ``cache/<dataset>/<backbone>-<weights>.zarr`` --, the store's name and the first
+8 hex digits of its fingerprint hash, so two datasets encoded with one model, ``hf:`` and ``wds:`` stores both named
+``RN50-openai.zarr``, get two outputs): ``eval.json`` (accuracy, per-class accuracy, mean class accuracy, macro F1,
+the run, the store and its fingerprint), ``results.npz`` (``class_acc`` [1, K], ``confusion`` [K, K]; as a run's)
+and the result in CLIP_benchmark's JSON (``fedfeat.report.clipbench``). ``eval.json`` is written last (atomically),
+so an output without it is unfinished.
+
+An output that holds another evaluation (another run, store fingerprint or ``classes``) is not replaced unless
+``overwrite`` (``--overwrite``): a one-line error names the flag. The same evaluation made again replaces its own
+output. A folder that holds anything else than an evaluation's files (a run directory given as ``--out``) is refused.
+
+Unscored classes: a class with no test row here (outside ``classes``, or absent from the store's test split) has no
+accuracy. It is ``null`` in ``eval.json``'s ``per_class_acc`` and NaN in ``results.npz``'s ``class_acc``, left out of
+``mean_class_acc``, and counted in ``unscored_classes``. ``macro_f1`` averages over the classes in the targets or
+the predictions (scikit-learn's ``f1_score(average="macro")``), so an unscored class enters it only where the model
+predicted it (F1 0)."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -26,13 +42,77 @@ import torch
 
 from fedfeat.errors import FedfeatError
 
+# the files an evaluation writes (``evaluate_run``): an output folder holding only these (or nothing) is an
+# evaluation's; a CLIP_benchmark file is named ``*_zeroshot_classification.json`` (``fedfeat.report.clipbench``)
+EVAL_FILES = ("eval.json", "results.npz")
+_CLIPBENCH_SUFFIX = "_zeroshot_classification.json"
+
+
+def _is_eval_file(name: str) -> bool:
+    return name in EVAL_FILES or name.endswith(_CLIPBENCH_SUFFIX) or (name.startswith(".") and ".tmp" in name)
+
+
+def default_out(run: Path, store_path, fingerprint: str) -> Path:
+    """``RUN/eval-<folder>-<store name>-<fingerprint[:8]>`` (module docstring): unique per store.
+
+    Example::
+
+        >>> default_out(Path("runs/r"), "cache/cifar10/RN50-openai.zarr", "0123456789abcdef")
+        PosixPath('runs/r/eval-cifar10-RN50-openai-01234567')
+    """
+    p = Path(str(store_path).rstrip("/"))
+    stem = p.name[: -len(".zarr")] if p.name.endswith(".zarr") else p.name
+    parts = [x for x in (p.parent.name, stem, fingerprint[:8]) if x]
+    return run / re.sub(r"[^A-Za-z0-9._+=-]+", "_", "eval-" + "-".join(parts))
+
+
+def _check_dest(dest: Path, ident: dict, overwrite: bool) -> None:
+    """Refuse to write into ``dest`` when it holds another evaluation (unless ``overwrite``) or anything that is not
+    an evaluation's file; the same evaluation (``ident``) made again replaces its own output."""
+    if not dest.exists():
+        return
+    if not dest.is_dir():
+        raise FedfeatError(f"output {dest} is a file, not a directory; choose another --out")
+    other = sorted(f.name for f in dest.iterdir() if not _is_eval_file(f.name))
+    if other:
+        raise FedfeatError(
+            f"output {dest} holds files that are not an evaluation's ({', '.join(other[:3])}); choose another --out"
+        )
+    old = dest / "eval.json"
+    if not old.is_file() or overwrite:
+        return  # nothing finished there (an interrupted evaluation), or replacing it was asked for
+    try:
+        doc = json.loads(old.read_text())
+        was = {k: doc.get(k) for k in ident}
+    except (OSError, ValueError, AttributeError):
+        doc, was = {}, None
+    if was != ident:
+        said = (
+            "an unreadable eval.json"
+            if was is None
+            else f"the evaluation of run {doc.get('run')} on store {doc.get('store')} (fingerprint "
+            f"{doc.get('store_fingerprint')}, {len(doc.get('classes') or [])} classes)"
+        )
+        raise FedfeatError(
+            f"{dest} already holds {said}; pass --overwrite to replace it, or --out for another folder"
+        )
+
+
+def _clear(dest: Path) -> None:
+    """Remove an earlier evaluation's files (``eval.json`` first: the folder never looks finished meanwhile)."""
+    (dest / "eval.json").unlink(missing_ok=True)
+    for f in dest.iterdir():
+        if _is_eval_file(f.name) and f.is_file():
+            f.unlink()
+
 
 def evaluate_run(
     run: str | Path, store: str | Path, *, out: str | Path | None = None, classes: list[str] | None = None,
-    device: str = "cpu",
+    device: str = "cpu", overwrite: bool = False,
 ) -> dict:  # fmt: skip
     """Evaluate run directory ``run``'s trained model on ``store``'s test split; writes ``out`` and returns the
-    metrics (``eval.json``'s content)."""
+    metrics (``eval.json``'s content). ``overwrite``: replace another evaluation already in ``out`` (module
+    docstring)."""
     from safetensors.torch import load_file
 
     from fedfeat.engine.data import build_context, load_run_data
@@ -64,6 +144,14 @@ def evaluate_run(
             raise FedfeatError(
                 f"--classes {', '.join(miss)} not in store {store}'s classes; choose among {names[:10]}"
             )
+    from fedfeat.store.format import fingerprint_hash
+
+    fp = str(st.attrs.get("fingerprint_hash") or fingerprint_hash(st.fingerprint))
+    ident = {"run": str(run.resolve()), "store_fingerprint": fp, "classes": classes or names}
+    dest = Path(out) if out is not None else default_out(run, store, fp)
+    # before any work: a refused output costs nothing; inside the run (the default) the place names the run, which
+    # may have moved since
+    _check_dest(dest, ident if out is not None else {k: v for k, v in ident.items() if k != "run"}, overwrite)
     weights = {k: v.to(dev) for k, v in load_file(run / "weights.safetensors").items()} if trained else {}
     if trained and isinstance(
         method, LinearHead
@@ -109,31 +197,46 @@ def evaluate_run(
         masked[:, cls] = logits[:, cls]
         logits = masked
     logits, y = logits[keep], y[keep]
+    if not len(y):
+        raise FedfeatError(
+            f"store {store}'s test split has no row of the classes to score; pass --classes with classes it has "
+            "test images of"
+        )
     pred = logits.contiguous().argmax(1)
     conf = torch.bincount(y * K + pred, minlength=K * K).view(K, K).cpu().numpy().astype(np.int64)
-    present = conf.sum(1) > 0
-    scored = present | (conf.sum(0) > 0)
+    present = conf.sum(1) > 0  # the scored classes: those with a test row here
+    scored = present | (conf.sum(0) > 0)  # macro F1's classes: in the targets or the predictions
     tp = np.diag(conf).astype(np.float64)
     prec = np.divide(tp, conf.sum(0), out=np.zeros(K), where=conf.sum(0) > 0)
     rec = np.divide(tp, conf.sum(1), out=np.zeros(K), where=present)
     f1 = np.divide(2 * prec * rec, prec + rec, out=np.zeros(K), where=(prec + rec) > 0)
-    per_class = [100 * float(r) for r in rec]
+    # an unscored class has no accuracy: null in eval.json, NaN in results.npz, not in any mean
+    per_class = [100 * float(r) if ok else None for r, ok in zip(rec, present)]
     res = {
-        "run": str(run),
+        "run": ident["run"],
         "method": cfg.method,
         "store": str(store),
-        "classes": classes or names,
+        "store_fingerprint": fp,
+        "classes": ident["classes"],
         "test_rows": int(len(y)),
-        "acc": float((pred == y).double().mean()) * 100 if len(y) else 0.0,
+        "acc": float((pred == y).double().mean()) * 100,
         "per_class_acc": per_class,
+        "mean_class_acc": 100 * float(rec[present].mean()),  # over the scored classes (balanced accuracy)
+        "scored_classes": int(present.sum()),
+        "unscored_classes": int(K - present.sum()),
         # macro F1 over the classes in the targets or the predictions (scikit-learn's f1_score(average="macro"))
-        "macro_f1": 100 * float(f1[scored].mean()) if scored.any() else 0.0,
+        "macro_f1": 100 * float(f1[scored].mean()),
     }
-    dest = Path(out) if out is not None else run / f"eval-{Path(str(store)).stem}"
     dest.mkdir(parents=True, exist_ok=True)
-    write_results(dest, [{"round": 0, "test_acc": res["acc"], "per_class_acc": per_class}], conf)
+    _clear(dest)
+    rows = [
+        {"round": 0, "test_acc": res["acc"], "per_class_acc": [np.nan if a is None else a for a in per_class]}
+    ]
+    write_results(dest, rows, conf)
     doc = clipbench.result(st, logits.cpu(), y.cpu())
     res["clip_benchmark"] = clipbench.write(dest, doc).name
-    (dest / "eval.json").write_text(json.dumps(res, indent=1))
+    tmp = dest / ".eval.json.tmp"
+    tmp.write_text(json.dumps(res, indent=1))
+    os.replace(tmp, dest / "eval.json")  # last: an output without eval.json is unfinished
     res["out"] = str(dest)
     return res

@@ -21,19 +21,28 @@ from pathlib import Path
 
 from fedfeat.errors import FedfeatError
 from fedfeat.runs.sweep import Display, Failure, SweepFailed, one_line, run_sweep
+from fedfeat.runs.threads import Threads, decide, usable_cores
+from fedfeat.runs.threads import use as use_threads
 
 LAUNCHERS = ("local", "slurm", "ray")
 
 
-def run_chunk(points: list, overwrite: bool = False, stack: bool = True, cwd: str | None = None) -> list:
+def run_chunk(
+    points: list,
+    overwrite: bool = False,
+    stack: bool = True,
+    cwd: str | None = None,
+    threads: Threads | None = None,
+) -> list:
     """One job: ``run_sweep`` on a chunk of points, quietly, in the launching process's directory ``cwd`` (relative
-    store and output paths mean the same there). Returns per point ``(path or None, error or None)`` as plain
-    strings (picklable across processes)."""
+    store and output paths mean the same there), on ``threads`` (the launcher's decision for jobs sharing its host;
+    None: the job decides on its own machine, ``fedfeat.runs.threads``). Returns per point ``(path or None, error or
+    None)`` as plain strings (picklable across processes)."""
     import contextlib
     import os
 
     failures: list = []
-    with contextlib.chdir(cwd) if cwd else contextlib.nullcontext():
+    with contextlib.chdir(cwd) if cwd else contextlib.nullcontext(), use_threads(plan=threads):
         paths = run_sweep(points, overwrite=overwrite, progress=False, log=lambda *a: None, stack=stack,
                           failures=failures)  # fmt: skip
         paths = [None if p is None else os.path.abspath(p) for p in paths]
@@ -81,6 +90,7 @@ def launch(
     slurm_cluster: str | None = None,
     folder: str | Path | None = None,
     ray_address: str | None = None,
+    threads: int | None = None,
 ) -> list[Path | None]:
     """Run the grid ``points`` with ``launcher`` (module docstring); returns the run directories in the points'
     order (None for a failed run when ``failures`` is a list, which then receives the ``Failure`` records; without
@@ -88,7 +98,13 @@ def launch(
     pending runs are split into. Slurm: ``slurm_partition``, ``slurm_time`` (minutes per job), ``slurm_cluster``
     (submitit's: None = Slurm where ``sbatch`` exists, else ``local``; ``debug`` runs in this process) and
     ``folder`` (submitit's logs; default OUT/.submitit). Ray: ``ray_address`` (None: a Ray started here, or the
-    one already initialised; ``auto``: a running cluster)."""
+    one already initialised; ``auto``: a running cluster).
+
+    ``threads``: ``--threads`` (None: the environment's count or the thread policy, ``fedfeat.runs.threads``). Jobs
+    started together on this host (submitit's ``local`` cluster, a Ray started here) share its cores: each gets
+    ``decide(threads, jobs=number of jobs)``, and a Ray task reserves that many CPUs. Jobs on other machines (Slurm,
+    a Ray cluster) decide on their own machine, or take ``threads`` when given (a Slurm job then asks for that many
+    CPUs per task, a Ray task reserves them)."""
     if launcher not in LAUNCHERS:
         raise FedfeatError(f"unknown --launcher {launcher!r}; choose local, slurm or ray")
     if jobs < 1:
@@ -156,9 +172,9 @@ def launch(
         log(f"{launcher}: {len(pending)} runs in {len(chunks)} job(s)")
         if launcher == "slurm":
             _slurm(mod, chunks, points, overwrite, stack, collect, slurm_partition, slurm_time, slurm_cluster,
-                   Path(folder) if folder is not None else Path(cfgs[0].out) / ".submitit")  # fmt: skip
+                   Path(folder) if folder is not None else Path(cfgs[0].out) / ".submitit", threads)  # fmt: skip
         else:
-            _ray(mod, chunks, points, overwrite, stack, collect, ray_address)
+            _ray(mod, chunks, points, overwrite, stack, collect, ray_address, threads)
     for i, j in same.items():
         paths[i] = paths[j]
     failed.sort(key=lambda f: f.index)
@@ -169,15 +185,24 @@ def launch(
     return paths
 
 
-def _slurm(submitit, chunks, points, overwrite, stack, collect, partition, minutes, cluster, folder) -> None:
+def _slurm(
+    submitit, chunks, points, overwrite, stack, collect, partition, minutes, cluster, folder, threads
+) -> None:
     """submitit jobs, one per chunk (``AutoExecutor``: Slurm where it exists; ``local``/``debug`` to try it)."""
     ex = submitit.AutoExecutor(folder=str(folder), cluster=cluster)
     opts: dict = {"timeout_min": int(minutes), "name": "fedfeat-sweep"}
     if partition:
         opts["slurm_partition"] = partition
+    where = getattr(ex, "cluster", "slurm")
+    if where == "slurm" and threads is not None:
+        opts["cpus_per_task"] = threads  # the job's threads, allocated
     ex.update_parameters(**opts)
+    # local: subprocesses here, all at once (they share its cores); debug: one after another in this process;
+    # slurm: each job on its allocation, where it decides (or runs --threads)
+    jobs_here = {"local": len(chunks), "debug": 1}.get(where)
+    plan = decide(threads, jobs=jobs_here) if jobs_here else _explicit(threads)
     submitted = [
-        (c, ex.submit(run_chunk, [points[i] for i in c], overwrite, stack, os.getcwd())) for c in chunks
+        (c, ex.submit(run_chunk, [points[i] for i in c], overwrite, stack, os.getcwd(), plan)) for c in chunks
     ]
     while submitted:
         rest = []
@@ -194,12 +219,18 @@ def _slurm(submitit, chunks, points, overwrite, stack, collect, partition, minut
             time.sleep(0.5)
 
 
-def _ray(ray, chunks, points, overwrite, stack, collect, address) -> None:
+def _ray(ray, chunks, points, overwrite, stack, collect, address, threads) -> None:
     """Ray tasks, one per chunk (a Ray started here unless one is initialised or ``address`` names one)."""
+    # a Ray of this host's cores, for these tasks (ray.init connects to RAY_ADDRESS's cluster where it is set)
+    here = not ray.is_initialized() and address is None and not os.environ.get("RAY_ADDRESS")
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
-    task = ray.remote(run_chunk)
-    refs = {task.remote([points[i] for i in c], overwrite, stack, os.getcwd()): c for c in chunks}
+    # here: the tasks share this host's cores, each reserves its share; elsewhere a task runs on what Ray gives it
+    # (Ray sets OMP_NUM_THREADS to its CPUs, one by default, which the task's own decision respects)
+    plan = decide(threads, jobs=len(chunks)) if here else _explicit(threads)
+    cpus = None if plan is None else min(plan.n, usable_cores()) if here else plan.n
+    task = ray.remote(num_cpus=cpus)(run_chunk) if cpus and cpus > 1 else ray.remote(run_chunk)  # default: 1
+    refs = {task.remote([points[i] for i in c], overwrite, stack, os.getcwd(), plan): c for c in chunks}
     while refs:
         ready, _ = ray.wait(list(refs), num_returns=1)
         for ref in ready:
@@ -208,6 +239,17 @@ def _ray(ray, chunks, points, overwrite, stack, collect, address) -> None:
                 collect(c, ray.get(ref))
             except Exception as e:  # noqa: BLE001 -- a task that died: its runs are recorded as failed
                 collect(c, error=e)
+
+
+def _explicit(threads: int | None) -> Threads | None:
+    """For jobs on other machines: ``--threads`` or the user's environment here (``FEDFEAT_THREADS``,
+    ``OMP_NUM_THREADS``), else None (each job decides where it runs)."""
+    t = decide(threads) if threads is not None else None
+    if t is None:
+        from fedfeat.runs.threads import from_env
+
+        t = from_env(os.environ)
+    return t
 
 
 __all__ = ["LAUNCHERS", "launch", "run_chunk"]

@@ -535,16 +535,39 @@ def render(
     """The paper's layout: rows = methods, columns = settings (transposed where the paper has datasets as rows);
     a cell = ours (the table's metric: mean ± std (n) over seeds) and the paper's number beside it. ``summaries``
     holds None for a run that was not made. The header states the setting (``setting``); a table of synthetic
-    stand-in stores says so in its title (it is not a reproduction: its numbers say nothing about real data)."""
+    stand-in stores says so in its title (it is not a reproduction: its numbers say nothing about real data).
+
+    Every number of ours carries where it comes from, in every format (``source``):
+
+    * ``json``: a list of cells, each with ``synthetic`` (true: ours was measured on a stand-in store),
+      ``source`` (``"synthetic stand-in"`` or ``"encoded store"``), ``stand_in`` (``"features"``: a feature
+      stand-in, ``fedfeat synth``; ``"live"``: a live stand-in, ``fedfeat.runs.standin``; null for an encoded
+      store) and ``store`` (the store its runs read; null for a cell without runs), beside ``mean``, ``std``,
+      ``n``, ``paper`` (the paper's number, on real data), ``paper_std`` and ``why`` (an n/a cell's reason);
+    * ``csv``: valid CSV (``csv`` module): the header's prose (title, setting, metric) and the n/a notes as comment
+      lines starting with ``#`` (pandas: ``read_csv(..., comment="#")``; ``csv.reader``: skip rows whose first
+      field starts with ``#``), then one header row and the table's rows, whose last column ``source`` says
+      ``synthetic stand-in`` or ``encoded store``;
+    * ``markdown``: the title (``SYNTHETIC STAND-IN, NOT A REPRODUCTION -- ...``) and the header."""
     import json
 
     from fedfeat.report.tables import _table
 
     skipped, blocked = skipped or {}, dict(blocked or {})
+    source = "synthetic stand-in" if synthetic else "encoded store"
+
+    def stand_in(r: int) -> str | None:  # which stand-in a row's runs read (None: an encoded store)
+        if not synthetic:
+            return None
+        m = table.rows[r].method
+        return "live" if live_note and m is not None and any(_needs(m)) else "features"
+
+    stores_of: dict = {}  # (row, column) -> the store its runs read (their summaries say)
     ncol = len(table.columns)
     cells = {}
     for (r, c), idx in where.items():
         recs = [summaries[i] for i in idx if summaries[i] is not None]
+        stores_of[(r, c)] = next((str(x["store"]) for x in recs if x.get("store") is not None), None)
         got = [x.get(table.metric) for x in recs]
         v = np.array([g for g in got if g is not None], dtype=np.float64)
         if recs and not len(v) and (r, c) not in blocked:
@@ -567,11 +590,13 @@ def render(
                 m, s, n = cells[(r, c)]
                 why = blocked.get((r, c)) or (skipped.get(c) if m is None else None)
                 out.append({"row": row.label, "column": col.label, "metric": table.metric, "mean": m, "std": s,
-                            "n": n, "paper": p, "paper_std": ps, "why": why})  # fmt: skip
+                            "n": n, "paper": p, "paper_std": ps, "why": why, "synthetic": synthetic,
+                            "source": source, "stand_in": stand_in(r), "store": stores_of.get((r, c))})  # fmt: skip
             if table.paper_avg is not None:
                 out.append({"row": row.label, "column": "Avg.", "metric": table.metric, "mean": avg[r],
                             "std": None, "n": ncol, "paper": _paper(table, row.label, 0, avg=True)[0],
-                            "paper_std": None, "why": None})  # fmt: skip
+                            "paper_std": None, "why": None, "synthetic": synthetic, "source": source,
+                            "stand_in": stand_in(r), "store": None})  # fmt: skip
         return json.dumps(out, indent=1)
 
     def num(x: float) -> str:
@@ -627,7 +652,17 @@ def render(
     for (r, why), cs in by_reason.items():
         where_ = "all columns" if len(cs) == ncol else ", ".join(table.columns[c].label for c in cs)
         notes += f"\nn/a for {table.rows[r].label} ({where_}): {why}"
+    if fmt == "csv":  # valid CSV: the prose as '#' comment lines, the label as a column of every row
+        return (
+            _comments(head) + _table([*cols, "source"], [[*x, source] for x in rows], fmt) + _comments(notes)
+        )
     return head + "\n\n" + _table(cols, rows, fmt) + ("\n" + notes if notes else "")
+
+
+def _comments(text: str) -> str:
+    """``text``'s lines as CSV comment lines (``# ...``, the CSV's own line ending; a double quote, which a CSV
+    reader would take for the start of a quoted field, becomes a single one)."""
+    return "".join(f"# {line}\r\n".replace('"', "'") for line in text.splitlines() if line.strip())
 
 
 def _refuse_empty(

@@ -246,7 +246,11 @@ def open_store(cfg: RunConfig):
 
 def run_partition(store, cfg: RunConfig, save: bool):
     """``(key, Partition, stored)``: computed in memory (the store is opened read-only); saved into the store
-    only when asked (``--save-partition``) and the store is writable."""
+    only when asked (``--save-partition``) and the store is writable. A partition file (``--partition FILE.json``,
+    ``fedfeat.partition.external``) is read and checked against the store instead; the run's ``partition`` becomes
+    the file's absolute path and its ``clients`` the file's client count (``--clients`` left at its default: the
+    file sets it), so that ``config.toml`` replays it from anywhere."""
+    from fedfeat.partition import external
     from fedfeat.partition import stored as stored_partition
     from fedfeat.partition.openvocab import class_order_mode, preset_class_order
 
@@ -258,6 +262,15 @@ def run_partition(store, cfg: RunConfig, save: bool):
     if sess is not None and ck in sess.partitions:
         key, part = sess.partitions[ck]
         sess._tag("partitions", ck, cfg)
+    elif external.is_partition_file(cfg.partition):
+        from fedfeat.runs.config import DEFAULTS
+
+        key, part = external.load(
+            store, cfg.partition, clients=cfg.clients, clients_given=cfg.clients != DEFAULTS["clients"]
+        )
+        if sess is not None:
+            sess.partitions[ck] = (key, part)
+            sess._tag("partitions", ck, cfg)
     else:
         from fedfeat.spec import partition_args
 
@@ -271,6 +284,10 @@ def run_partition(store, cfg: RunConfig, save: bool):
         if sess is not None:
             sess.partitions[ck] = (key, part)
             sess._tag("partitions", ck, cfg)
+    if external.is_partition_file(cfg.partition):  # its path and client count, as config.toml replays them
+        from pathlib import Path
+
+        cfg.partition, cfg.clients = str(Path(cfg.partition).expanduser().absolute()), part.n_clients
     stored = key in store.partition_keys()
     if save and not stored:
         from fedfeat.store.featurestore import FeatureStore

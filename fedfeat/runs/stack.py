@@ -20,6 +20,8 @@ Which methods stack: each method declares it (``Method.stacks``, or ``Method.no_
 | method | stacks | what is stacked / why not |
 |---|---|---|
 | ``fedavg``, ``fedprox``, ``fedavgm``, ``fednova``, ``fedavg-tau-norm``, ``fedntd``, ``fst-cbdg`` | yes, fused + torch | the whole round but the per-run server step (server momentum, FedNova's normalised weights, tau-norm's head: a few ``[K, D]`` operations) |
+| ``fedadam``, ``fedyogi``, ``fedadagrad`` | yes, fused + torch | the whole round but the per-run adaptive server step (its ``m`` / ``v``: ``[K, D]`` operations) |
+| ``scaffold``, ``feddyn`` | yes, torch | the local step with each run's own control variates / duals (per-client state of the clients sampled so far, per run); the server step per run |
 | ``fed-focal``, ``ratio-loss`` | yes, torch | the local step with per-run ``gamma`` / class weights; Ratio Loss's monitor (K head copies on its auxiliary set) per run |
 | ``ccvr``, ``feddf``, ``fedbe`` | yes, fused + torch | FedAvg's local step only; the calibration / distillation is a per-run optimisation loop over the run's own (seeded) server set, made as alone. CCVR gains ~nothing (1.02x, BENCHMARKS.md): every client's class covariances (``[K, D, D]``, ~30 s a run at D = 1024) are computed per run, though only the virtual draw depends on the seed -- sharing them is ``ccvr.py``'s to split |
 | ``creff``, ``clip2fl`` | yes, torch | the local step only (CLIP2FL: + its distillation loss); the feature synthesis and classifier re-training per run (100 matching steps, 300 re-training epochs: ~1 s a round at the defaults, BENCHMARKS.md "Cross-device scale") |

@@ -460,6 +460,7 @@ def run_sweep(
     A run that fails does not stop the others. With a ``failures`` list, each failure is appended to it as a
     ``Failure`` and its place in the result is None; without one, ``SweepFailed`` (a ``FedfeatError`` naming the
     first) is raised once every other run is written. ``display`` (a ``Display``) is advanced per run."""
+    from fedfeat.runs.threads import refresh as refresh_threads
     from fedfeat.runs.train import run_name, stack_group, train_stacked
     from fedfeat.runs.train import train as run_train
 
@@ -540,6 +541,7 @@ def run_sweep(
         for members in groups.values():
             for c0 in range(0, len(members), STACK_MAX):
                 chunk = members[c0 : c0 + STACK_MAX]
+                refresh_threads()  # the thread policy again (every 10 s at most): other jobs may have started
                 if len(chunk) == 1:
                     i = chunk[0]
                     log(f"[{i + 1}/{len(cfgs)}] {names[i].name}")

@@ -33,6 +33,7 @@ from fedfeat.errors import FedfeatError
 from fedfeat.report import clipbench, rundir
 from fedfeat.report.rundir import CHECKPOINT, read_metrics
 from fedfeat.runs.config import RunConfig, config_toml, default_run_name, resolve_config
+from fedfeat.runs.divergence import Watch
 from fedfeat.runs.session import live_text, open_store, run_data, run_partition
 from fedfeat.runs.writers import (  # what a run writes besides training, and the writers of its rows
     ClassGroups,
@@ -313,6 +314,8 @@ def _train_locked(
             data.train_counts.cpu().numpy(), cfg.shot_thresholds or default_thresholds(cfg, data)
         )
         test_counts = np.bincount(data.test_y.cpu().numpy(), minlength=len(data.class_names))
+        # divergence (fedfeat.runs.divergence): one stderr line when it happens, summary.json's ``diverged``
+        watch = Watch(rd.name, method, np.flatnonzero(test_counts).tolist(), prior=old if start else ())
         done = start[0] if start else 0
         # rows after the checkpoint are redone; checkpoint.load kept the rows up to its round (checked)
         kept = checkpoint.rows_text(old if start else []) if resuming else None
@@ -323,7 +326,7 @@ def _train_locked(
         last_pred = capture_predictions(method) if stacked is None else None  # for results.npz's confusion
         startup = Startup(first=stacked is None)
         # the one loop's writers, in order: what each row is written to (the engine calls them per round)
-        rows = Rows([startup, ClassGroups(groups, test_counts), mfile, Live(cbs),
+        rows = Rows([startup, ClassGroups(groups, test_counts), mfile, Live(cbs), watch,
                      ProgressBar(cfg, method, key, done) if progress else None, Interrupts()])  # fmt: skip
         ck_seconds = [0.0]
 
@@ -368,6 +371,7 @@ def _train_locked(
         confusion = stacked.confusion if stacked is not None else (last_pred or {}).get("confusion")
         trained = write_outputs(rd.partial, cfg, method, key, glob, metrics, confusion)
         summary = _summary(cfg, method, method_params, kernel, device, key, rd.name, metrics, wall, store)
+        summary["diverged"] = watch.final(metrics)  # {"round", "reason"} or None (healthy)
         summary.update(memory_figures(device))  # peak_rss_bytes, rss_bytes_at_end, peak_device_bytes (CUDA)
         summary["checkpoint_seconds"] = ck_seconds[0]
         summary["compile_seconds"] = compiled[0]  # numba's compiles on first use: not in ``seconds``

@@ -18,6 +18,7 @@ import torch
 from fedfeat.errors import FedfeatError
 from fedfeat.report.load import SUMMARY_EXTRAS
 from fedfeat.runs.config import RunConfig, provenance
+from fedfeat.runs.threads import current as current_threads
 
 
 def shot_groups(train_counts: np.ndarray, thresholds: str | None) -> dict[str, np.ndarray] | None:
@@ -246,6 +247,7 @@ def _summary(cfg, method, method_params, kernel, device, key, name, metrics, wal
             "torch": torch.__version__,
             "python": platform.python_version(),
             "machine": platform.machine(),
+            "threads": current_threads(),  # torch's CPU threads and why (fedfeat.runs.threads)
         },
         "provenance": provenance(),
     }
@@ -423,7 +425,7 @@ def write_outputs(
     and ``results.npz``. Returns whether weights were written."""
     from safetensors.torch import save_file
 
-    from fedfeat.report.plots import plot_curves
+    from fedfeat.report.plots import plot_curves, run_title
 
     trained = method.federated or method.centralized  # zeroshot: its head is the store's text features
     if trained:
@@ -432,7 +434,7 @@ def write_outputs(
     plot_curves(
         {cfg.method: ([r["round"] for r in ev_rows], [r["test_acc"] for r in ev_rows])},
         rd_dir / "curve.png",
-        title=f"{cfg.method} on {Path(cfg.store).name}, {key}",
+        title=run_title(cfg.method, dataclasses.asdict(method.p), cfg.store, key, cfg.seed),  # in words
     )
     write_results(rd_dir, metrics, confusion)
     return trained

@@ -9,6 +9,12 @@ from fedfeat.errors import FedfeatError
 from fedfeat.spec.fields import _PARTITION_COMMON, FIELDS, to_spec
 
 
+def _canon(f, v):
+    """What a setting's value stands for in names, hashes and keys (its field's ``canon``; a partition file: its
+    content hash)."""
+    return v if v is None or f.canon is None else f.canon(v)
+
+
 def validate(cfg) -> None:
     """Every field's own check, then the scheme parameters against the scheme: one line naming the flag."""
     spec = to_spec(cfg)
@@ -55,14 +61,14 @@ def cache_key(cfg, kind: str, where: str) -> tuple:
     return (
         kind,
         where,
-        *((k, getattr(cfg, k)) for k, f in FIELDS.items() if kind in f.caches and k != "store"),
+        *((k, _canon(f, getattr(cfg, k))) for k, f in FIELDS.items() if kind in f.caches and k != "store"),
     )
 
 
 def stack_key(cfg) -> tuple:
     """Every setting that is not ``per_run``: runs may be stacked only when these agree (and their method allows
     it, ``fedfeat.runs.train.stack_group``)."""
-    return tuple((k, str(getattr(cfg, k))) for k, f in FIELDS.items() if not f.per_run)
+    return tuple((k, str(_canon(f, getattr(cfg, k)))) for k, f in FIELDS.items() if not f.per_run)
 
 
 def unstack_reason(cfg) -> str | None:
@@ -78,7 +84,7 @@ def unstack_reason(cfg) -> str | None:
 def hashed(cfg) -> dict:
     """The settings that enter the run name's hash: those ``in_hash``, set and not at their default."""
     return {
-        k: getattr(cfg, k)
+        k: _canon(f, getattr(cfg, k))
         for k, f in FIELDS.items()
         if f.in_hash and getattr(cfg, k) is not None and getattr(cfg, k) != f.default
     }
@@ -86,7 +92,7 @@ def hashed(cfg) -> dict:
 
 def identity(cfg) -> dict:
     """What a checkpoint is checked against on resume: every setting but where the run is written or read."""
-    return {k: getattr(cfg, k) for k, f in FIELDS.items() if f.identity}
+    return {k: _canon(f, getattr(cfg, k)) for k, f in FIELDS.items() if f.identity}
 
 
 def drawn() -> tuple[str, ...]:
@@ -99,6 +105,15 @@ def group_items(run: dict, params: dict) -> dict:
     setting declared ``groups`` (all that say what the run is, the store's fingerprint among them, but the seed), as
     a ``config.toml`` ``[run]`` table gives them (missing keys at their defaults), and the method's hyperparameters
     as ``params.<key>``. Runs with equal items differ only in their seed."""
-    items = {k: run.get(k, f.default) for k, f in FIELDS.items() if f.groups}
+    items = {k: _canon_or_as_is(f, run.get(k, f.default)) for k, f in FIELDS.items() if f.groups}
     items.update({f"params.{k}": v for k, v in sorted(params.items())})
     return items
+
+
+def _canon_or_as_is(f, v):
+    """``_canon`` for a finished run's recorded setting: a partition file since moved or deleted is grouped by its
+    recorded path (a report never fails on a file the run no longer needs)."""
+    try:
+        return _canon(f, v)
+    except FedfeatError:
+        return v

@@ -46,6 +46,7 @@ def setting(
     context: dict | None = None,
     metavar: str | None = None,
     groups: bool | None = None,
+    canon=None,
 ):
     """A run setting. ``key``: its flat name in config.toml, grid files and ``--flags`` (default: the field
     name). ``caches``: the session caches whose entries it keys. ``per_run``: runs that differ in it may still be
@@ -57,7 +58,9 @@ def setting(
     sweep) or False (not a sweep's: the run name, the replayed store's fingerprint). ``unstack(value) -> str | None``: why a run with this value is made
     on its own (e.g. the loop engine). ``examples``: values a sweep may vary it to, with the settings ``context``
     in which it means something (tests: ``tests/test_spec_stacking.py``). ``groups``: runs that differ in it are
-    different settings in a seed table (``report --seeds``; default: ``identity``; the seed is what a seed table pools)."""
+    different settings in a seed table (``report --seeds``; default: ``identity``; the seed is what a seed table pools).
+    ``canon(value) -> what the value stands for`` in the run name's hash, cache keys, stack groups, the checkpoint
+    identity and seed-table groups (default: the value itself; a partition file: its content hash)."""
     return field(
         default=default,
         metadata={
@@ -75,6 +78,7 @@ def setting(
             "context": dict(context or {}),
             "groups": identity if groups is None else groups,
             "metavar": metavar,
+            "canon": canon,
         },
     )
 
@@ -183,11 +187,15 @@ _PARTITION_COMMON = [
         str,
         setting(
             "dirichlet",
-            "Partition scheme (fedfeat partition --help lists each one's parameters). Default dirichlet.",
+            "Partition scheme (fedfeat partition --help lists each one's parameters), or a partition made "
+            'elsewhere: a FILE.json in the format `fedfeat partition --export` writes ({"clients": [[row, ...], '
+            "...]}, checked against the store; fedfeat/partition/external.py), whose content names the run. "
+            "Default dirichlet.",
             key="partition",
             caches=("partition", "data"),
             drawn=True,
-            check=lambda v, s: _choice(_schemes)(v, s),
+            check=lambda v, s: _scheme_or_file(v, s),
+            canon=lambda v: _partition_identity(v),
             unstack=lambda v: _scheme_unstack(v),
             examples=("shard", "iid"),
         ),
@@ -197,7 +205,7 @@ _PARTITION_COMMON = [
         int,
         setting(
             100,
-            "Number of clients. Default 100.",
+            "Number of clients. Default 100 (with a partition file: the file's count).",
             caches=("partition", "data"),
             drawn=True,
             check=_positive("clients", ""),
@@ -229,6 +237,26 @@ _PARTITION_COMMON = [
         ),
     ),
 ]
+
+
+def _scheme_or_file(v, s):
+    """``--partition``: a scheme name, or a partition file (``fedfeat.partition.external``)."""
+    from fedfeat.partition.external import check_setting, is_partition_file
+
+    if is_partition_file(v):
+        return check_setting(v, s)
+    bad = _choice(_schemes)(v, s)
+    return (
+        None
+        if bad is None
+        else f"{bad} (or a partition file FILE.json, as `fedfeat partition --export` writes)"
+    )
+
+
+def _partition_identity(v):
+    from fedfeat.partition.external import identity
+
+    return identity(v)
 
 
 def _scheme_setting(name: str, f: dataclasses.Field):
