@@ -450,3 +450,15 @@ def test_each_runs_curve_has_whole_rounds_and_a_title_in_words(tmp_path, monkeyp
     assert name == "curve.png" and title == "fedprox mu=0.1 on s.zarr, IID, 4 clients, seed 3"
     assert ticks and all(float(t).is_integer() for t in ticks)  # no round 0.5
     assert dpi == plots.RUN_CURVE_DPI
+
+
+def test_a_seed_group_with_several_diverged_runs_gets_one_footnote(tmp_path):
+    """`make demo`'s fedavg under Dirichlet 0.1: 5 of 5 seeds collapse; one line per group, not one per run."""
+    _run(tmp_path, "a", seed=0, accs=(32.0, 10.0), diverged={"round": 2, "reason": "test_acc at chance"})
+    _run(tmp_path, "b", seed=1, accs=(32.0, 12.0), diverged={"round": 1, "reason": "test_acc at chance"})
+    _run(tmp_path, "c", seed=2, accs=(32.0, 70.0))
+    out = _cli(tmp_path, "--seeds").stdout.rstrip().splitlines()
+    notes = [x for x in out if x.startswith("†")]
+    assert notes == [
+        "† diverged: fedavg on iid-c10-s19940817: 2 of 3 seeds (0, 1) at rounds 1-2 (seed 0: test_acc at chance)"
+    ]

@@ -613,6 +613,10 @@ def seed_groups(summaries: list[dict], settings: list[dict] | None = None) -> li
                 else None
             )
         out.append(g)
+    # one order whatever order the directories were read in: method, store, partition, then the method's defaults
+    # ("-") before its settings, alphabetically (the run directories' hash suffixes used to decide it)
+    out.sort(key=lambda g: (g["method"], g["store"], str(g["partition"]), g["settings"] != "-", g["settings"],
+                            str(g["rounds"]), str(g["clients"]), str(g["participation"])))  # fmt: skip
     return out
 
 
@@ -649,7 +653,17 @@ def seed_table(
         row += [_mean_std(g["metrics"].get(k), 1e9) for k in mem_keys]
         if any_div and fmt == "csv":
             row.append("; ".join(texts))
-        notes += texts
+        if len(texts) == 1:
+            notes += texts
+        elif texts:  # one line per group: how many of its seeds, at which rounds, the first one's reason
+            d = g["diverged"]
+            rounds = sorted({x["round"] for x in d})
+            at = f"round {rounds[0]}" if len(rounds) == 1 else f"rounds {rounds[0]}-{rounds[-1]}"
+            what = g["method"] + ("" if g["settings"] == "-" else f" {g['settings']}")
+            notes.append(
+                f"{what} on {g['partition']}: {len(d)} of {g['n']} seeds ({', '.join(str(x['seed']) for x in d)}) "
+                f"at {at} (seed {d[0]['seed']}: {d[0]['reason']})"
+            )
         rows.append(row)
     return _table(cols, rows, fmt) + _footnotes(notes, fmt)
 
