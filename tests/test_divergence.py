@@ -249,3 +249,16 @@ def test_stacked_runs_each_have_their_own_verdict(store, tmp_path, capfd):
     assert sg["diverged"] is None
     err = [line for line in capfd.readouterr().err.splitlines() if "diverged" in line]
     assert len(err) == 1 and err[0].startswith("warning: bad diverged at round 1: ")
+
+
+def test_a_collapse_the_run_came_back_from_is_said_with_where_it_ended():
+    """`make demo-clip2fl`'s fedavg (lr 0.1 under the long tail): 68.2 -> 10.0 at round 1, 55.9 at round 50. The
+    collapse is reported (its numbers went through it) and so is the recovery; one that stays down has none."""
+    from fedfeat.report.load import diverged_text
+
+    rows = [{"round": 0, "test_acc": 68.2}, {"round": 1, "test_acc": 10.0}, {"round": 2, "test_acc": 40.0},
+            {"round": 3, "test_acc": 55.9}]  # fmt: skip
+    v = verdict(rows, classes=10)
+    assert v["round"] == 1 and v["recovered"] == {"round": 3, "test_acc": 55.9}
+    assert diverged_text({"name": "r", "diverged": v}).endswith("; recovered to 55.90% by round 3")
+    assert "recovered" not in verdict(rows[:2] + [{"round": 2, "test_acc": 15.0}], classes=10)

@@ -247,7 +247,11 @@ def diverged_text(summary: dict, name: str | None = None) -> str | None:
     d = summary.get("diverged")
     if not isinstance(d, dict):
         return None
-    return f"{name or summary.get('name') or summary.get('method')} at round {d.get('round')} ({d.get('reason')})"
+    text = f"{name or summary.get('name') or summary.get('method')} at round {d.get('round')} ({d.get('reason')})"
+    rec = d.get("recovered")
+    if isinstance(rec, dict) and rec.get("test_acc") is not None:
+        text += f"; recovered to {rec['test_acc']:.2f}% by round {rec.get('round')}"
+    return text
 
 
 def method_defaults(name: str) -> dict:

@@ -12,7 +12,9 @@ A run *diverges* at the first round ``R`` whose metric row shows one of (checked
   3``), after ``test_acc`` was clearly above chance: what a head that puts every test image in one class gives,
   whatever the test split's class shares (on a balanced split it is also "at chance").
 
-The verdict is ``{"round": R, "reason": "..."}`` (``summary.json``'s ``diverged``; ``None`` for a healthy run). It is
+The verdict is ``{"round": R, "reason": "..."}`` (``summary.json``'s ``diverged``; ``None`` for a healthy run), with
+``"recovered": {"round", "test_acc"}`` when the run's last evaluated accuracy is clearly above chance again (a
+collapse the run came back from is still reported: its best and final numbers went through it). It is
 read off the metrics each evaluated round already has (no extra evaluation, nothing per client), one row at a time
 (``Monitor``), so a run is never stopped by it; ``fedfeat.runs.train`` prints one line on stderr when it happens::
 
@@ -125,9 +127,16 @@ def verdict(rows: Iterable[dict], classes: int | Sequence[int] | None = None) ->
     """The first divergence in ``rows`` (metric rows in round order, as ``metrics.jsonl`` holds them), ``{"round":
     R, "reason": "..."}``, or ``None`` (module docstring; ``classes`` as ``Monitor``'s)."""
     m = Monitor(classes)
+    rows = list(rows)
     for row in rows:
         if m.update(row) is not None:
             break
+    if m.verdict is None:
+        return None
+    # a collapse the run came back from is still said (its best / final numbers went through it), with where it ended
+    last = [r for r in rows if r.get("test_acc") is not None and math.isfinite(r["test_acc"])]
+    if last and int(last[-1]["round"]) > m.verdict["round"] and m.K and last[-1]["test_acc"] >= levels(m.K)[1]:
+        return {**m.verdict, "recovered": {"round": int(last[-1]["round"]), "test_acc": float(last[-1]["test_acc"])}}
     return m.verdict
 
 
