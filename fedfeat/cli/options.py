@@ -70,7 +70,8 @@ def settings_options(kind: str, *, keys=None, rename: dict | None = None):
 
 THREADS_HELP = (
     "CPU threads of torch and the fused kernels: a number, or auto / 0 (default) for fedfeat's policy: the usable "
-    "cores (CPU affinity, cgroup quota) divided among the jobs a launcher starts together, fewer while other "
+    "cores (CPU affinity, cgroup quota) divided among the fedfeat jobs on the machine (a launcher's, and the "
+    "commands running, which register themselves), fewer while other "
     "processes keep cores busy (their runnable threads when the command starts, and between a sweep's runs). "
     "FEDFEAT_THREADS or OMP_NUM_THREADS, if set, are used instead of the policy; this flag wins over both. "
     "summary.json's env.threads records the count and why."
