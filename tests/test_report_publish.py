@@ -462,3 +462,18 @@ def test_a_seed_group_with_several_diverged_runs_gets_one_footnote(tmp_path):
     assert notes == [
         "† diverged: fedavg on iid-c10-s19940817: 2 of 3 seeds (0, 1) at rounds 1-2 (seed 0: test_acc at chance)"
     ]
+
+
+def test_load_runs_says_where_runs_two_folders_down_are(tmp_path, capsys):
+    """`fedfeat.load_runs("runs")` over runs/reproduce-x/<table>/<run>: no run is read from there (a report reads a
+    folder's runs, not its grandchildren's), and an empty table is not silent (issue 36)."""
+    import fedfeat
+
+    _run(tmp_path / "reproduce-x" / "t1", "a", seed=0)
+    _run(tmp_path / "reproduce-x" / "t2", "b", seed=1)
+    got = fedfeat.load_runs(tmp_path, as_frame=False)
+    err = capsys.readouterr().err
+    assert got == []
+    assert f"no run directly in {tmp_path}; 2 run(s) are in its subfolders" in err
+    assert str(tmp_path / "reproduce-x" / "t1") in err
+    assert fedfeat.load_runs(tmp_path / "reproduce-x" / "t1", as_frame=False)[0]["seed"] == 0

@@ -89,3 +89,34 @@ def test_the_typed_tree_round_trips():
     with pytest.raises(dataclasses.FrozenInstanceError):
         tree.partition.shards = 4
     assert spec.from_spec(tree) == cfg
+
+
+def _implied_cases():
+    from fedfeat.partition.registry import SCHEMES
+
+    for name, cls in SCHEMES.items():
+        for param, value in cls.implied().items():
+            yield pytest.param(name, param, value, id=f"{name}-{param}")
+        yield pytest.param(name, "partition_seed", cls.default_seed(None), id=f"{name}-seed")
+
+
+@pytest.mark.parametrize("scheme, key, value", list(_implied_cases()))
+def test_a_setting_given_at_its_implied_value_names_the_same_run(scheme, key, value):
+    """``--min-size 10`` (FedNTD's rule, what dirichlet draws with when none is given), ``--alpha 0.1`` or the
+    scheme's own seed, given explicitly, are the run the defaults make: same hashed settings, same name (issue 36;
+    every scheme of the registry, so a new one is covered by itself)."""
+    from fedfeat.runs.config import settings_hash
+    from fedfeat.spec.derived import hashed
+
+    flat = {f.name: k for k, f in spec.FIELDS.items() if f.part == "partition"}
+    key = flat.get(key, key)
+    base = resolve_config({"partition": scheme, "store": "s.zarr"}, None, None)
+    given = resolve_config({"partition": scheme, "store": "s.zarr", key: value}, None, None)
+    assert getattr(given, key) == value
+    assert hashed(given) == hashed(base)
+    assert settings_hash(given, {}, {}) == settings_hash(base, {}, {})
+    other = value + 1 if isinstance(value, int) and not isinstance(value, bool) else None
+    if other is not None:  # a value that is not the implied one still names another run
+        assert hashed(
+            resolve_config({"partition": scheme, "store": "s.zarr", key: other}, None, None)
+        ) != hashed(base)

@@ -149,6 +149,18 @@ class Scheme:
     def fields(cls) -> tuple[dataclasses.Field, ...]:
         return dataclasses.fields(cls.Params)
 
+    # values the draw treats as "not given" beyond the Params defaults (dirichlet: min_size 10 is FedNTD's rule)
+    implied_values: ClassVar[dict[str, Any]] = {}
+
+    @classmethod
+    def implied(cls) -> dict[str, Any]:
+        """What each parameter is when not given: ``store_defaults``, else the Params default (if not None), and
+        ``implied_values``; a run given these values is the same run as one given none (its name's hash)."""
+        out = {f.name: f.default for f in cls.fields() if f.default not in (dataclasses.MISSING, None)}
+        out.update(cls.store_defaults)
+        out.update(cls.implied_values)
+        return out
+
     @classmethod
     def params(cls, given: dict[str, Any]) -> Any:
         """``Params`` from the scheme's parameters as passed (None = not passed): one line naming a missing one."""

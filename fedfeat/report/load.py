@@ -156,6 +156,17 @@ def collect_runs(paths, warn) -> tuple[list, list]:
         if p.is_dir() and not _looks_like_run(p):
             parents.append(p)
             cands = [q for q in sorted(p.iterdir()) if _looks_like_run(q)]
+            if not cands:  # runs one or two folders further down are not read: say where they are
+                deeper = _runs_below(p)
+                if deeper:
+                    where = sorted({str(q.parent) for q in deeper})
+                    warn(
+                        f"no run directly in {p}; {len(deeper)} run(s) are in its subfolders ({', '.join(where[:3])}"
+                        + (f", and {len(where) - 3} more" if len(where) > 3 else "")
+                        + "): pass those folders (e.g. "
+                        + where[0]
+                        + ")"
+                    )
         else:
             cands = [p]
         for q in cands:
@@ -164,6 +175,28 @@ def collect_runs(paths, warn) -> tuple[list, list]:
             except FedfeatError as e:
                 warn(f"skipped {q}: {e}")
     return found, parents
+
+
+def _runs_below(p: Path, depth: int = 3, limit: int = 10_000) -> list[Path]:
+    """Run directories in the subfolders of ``p`` down to ``depth`` more levels (hidden ones skipped; at most
+    ``limit`` folders looked at)."""
+    out, level, seen = [], [p], 0
+    for _ in range(depth):
+        nxt = []
+        for d in level:
+            try:
+                kids = [q for q in sorted(d.iterdir()) if q.is_dir() and not q.name.startswith(".")]
+            except OSError:
+                continue
+            for q in kids:
+                seen += 1
+                if seen > limit:
+                    return out
+                (out if _looks_like_run(q) else nxt).append(q)
+        if out:
+            return out
+        level = nxt
+    return out
 
 
 def unfinished_runs(parents: list[Path]) -> list[dict]:

@@ -81,12 +81,35 @@ def unstack_reason(cfg) -> str | None:
     return None
 
 
+def implied(cfg) -> dict:
+    """The values the run's partition scheme takes when a setting is not given (``Scheme.implied``: its
+    ``store_defaults``, its parameters' defaults, values its draw treats as "not given", and its seed), by flat key:
+    a setting given at one of these is the same run as the setting left out (``--min-size 10``, ``--alpha 0.1`` and
+    ``--partition-seed 19940817`` on ``dirichlet`` name the run the default does)."""
+    from fedfeat.partition.registry import SCHEMES
+
+    cls = SCHEMES.get(getattr(cfg, "partition", None))
+    if cls is None:
+        return {}
+    by_name = {f.name: k for k, f in FIELDS.items() if f.part == "partition"}
+    out = {by_name[n]: v for n, v in cls.implied().items() if n in by_name}
+    seed = by_name.get("seed")
+    if seed is not None:
+        out[seed] = cls.default_seed(getattr(cfg, by_name.get("imbalance_factor", ""), None))
+    return out
+
+
 def hashed(cfg) -> dict:
-    """The settings that enter the run name's hash: those ``in_hash``, set and not at their default."""
+    """The settings that enter the run name's hash: those ``in_hash``, set and not at their default (a scheme's
+    implied value counts as its default: ``implied``)."""
+    imp = implied(cfg)
     return {
         k: _canon(f, getattr(cfg, k))
         for k, f in FIELDS.items()
-        if f.in_hash and getattr(cfg, k) is not None and getattr(cfg, k) != f.default
+        if f.in_hash
+        and getattr(cfg, k) is not None
+        and getattr(cfg, k) != f.default
+        and not (k in imp and getattr(cfg, k) == imp[k])
     }
 
 

@@ -49,6 +49,7 @@ class Dirichlet(Scheme):
         min_size: int | None = field(default=None, metadata=MIN_SIZE)
 
     store_defaults = {"alpha": 0.1}
+    implied_values = {"min_size": FEDNTD_MIN_SIZE}  # min_size None draws with FedNTD's 10
     key_parts = (ALPHA_KEY, KeyPart("min_size", "m", "min size {}", after=True))
     words = "Dir(α = {alpha})"
 
