@@ -111,6 +111,9 @@ def _is_timing(key: str) -> bool:
 # keys that say how a run was made, not what it computed: the commit, and (issue 35) the thread count and why
 # (``env.threads``) and the divergence verdict (``diverged``, derived from the compared metrics)
 UNCOMPARED = {"git_commit", "threads", "diverged"}
+# summary keys a version may predate: compared where both summaries have them (issue 36: ``weights_sha256``, the
+# sha256 of weights.safetensors -- deterministic, so compared, but a base from before it has none)
+ADDED = {"weights_sha256"}
 
 
 def _strip(obj):
@@ -209,6 +212,9 @@ def compare(a: Path, b: Path) -> list[str]:
             bad = next(i for i, (x, y) in enumerate(zip(la + [None] * 99, lb + [None] * 99)) if x != y)
             diffs.append(f"{d}: metrics.jsonl differs from line {bad + 1}")
         sa, sb = (_strip(json.loads((r / "summary.json").read_text())) for r in (ra, rb))
+        for k in ADDED:
+            if (k in sa) != (k in sb):
+                sa.pop(k, None), sb.pop(k, None)
         if sa != sb:
             keys = sorted(k for k in set(sa) | set(sb) if sa.get(k) != sb.get(k))
             diffs.append(f"{d}: summary.json differs in {keys}")

@@ -19,7 +19,24 @@ def register(app: typer.Typer) -> None:
         run: Annotated[
             Path, typer.Argument(help="A finished run directory (config.toml, weights.safetensors).")
         ],
-        store: Annotated[str, typer.Option(help="The store whose test split is scored.")],
+        store: Annotated[
+            Optional[str],
+            typer.Option(
+                help="The store whose test split is scored (default: the run's own store, at the path its "
+                "config.toml records; it must still have the fingerprint the run recorded).",
+                show_default=False,
+            ),
+        ] = None,
+        store_fingerprint: Annotated[
+            Optional[str],
+            typer.Option(
+                "--store-fingerprint",
+                help="The fingerprint hash the scored store must have (fedfeat info prints it). Default: the "
+                "run's recorded one when the store is the run's own path, none for another --store. Give the "
+                "other store's fingerprint to score a store that replaced the run's at its path.",
+                show_default=False,
+            ),
+        ] = None,
         out: Annotated[
             Optional[Path],
             typer.Option(
@@ -35,7 +52,7 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
         format: Annotated[str, typer.Option("--format", help="markdown or json.")] = "markdown",
-        device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+        device: Annotated[str, typer.Option(help="auto, cpu or cuda (cuda:N).")] = "cpu",
         overwrite: Annotated[
             bool,
             typer.Option(
@@ -47,14 +64,24 @@ def register(app: typer.Typer) -> None:
         """Evaluate a saved head, adapter or prompt on another store: accuracy, per-class accuracy, mean class
         accuracy, macro F1, the confusion matrix (results.npz) and CLIP_benchmark's JSON, written into --out
         (eval.json last). A class with no test row (outside --classes, or none in the store) is unscored: null in
-        per_class_acc (NaN in results.npz), left out of mean_class_acc, counted in unscored_classes."""
+        per_class_acc (NaN in results.npz), left out of mean_class_acc, counted in unscored_classes. The run's
+        own store (no --store, or its recorded path) must have the fingerprint the run recorded; the weights
+        must match the digest summary.json records; --out is never the run directory or another run."""
         from fedfeat.errors import FedfeatError
         from fedfeat.runs.evaluate import evaluate_run
 
         if format not in ("markdown", "json"):
             raise FedfeatError(f"unknown format '{format}'; choose markdown or json")
         cl = [c.strip() for c in classes.split(",") if c.strip()] if classes else None
-        res = evaluate_run(run, store, out=out, classes=cl, device=device, overwrite=overwrite)
+        res = evaluate_run(
+            run,
+            store,
+            out=out,
+            classes=cl,
+            device=device,
+            overwrite=overwrite,
+            store_fingerprint=store_fingerprint,
+        )
         if format == "json":
             typer.echo(json.dumps(res, indent=1))
             return

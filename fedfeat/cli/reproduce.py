@@ -16,7 +16,7 @@ def reproduce(
         help="The table (see --list): fst-cbdg-table1 .. 4, clip2fl-table1, fed-mp-table1(-f1), fedcopl-table1.",
     ),
     list_: bool = typer.Option(
-        False, "--list", help="List the tables (name, title, rows, setting) and exit."
+        False, "--list", help="List the tables (name, title, rows, setting; with NAME: that one) and exit."
     ),
     store_root: str = typer.Option(
         "cache",
@@ -51,7 +51,7 @@ def reproduce(
     if list_:
         if fmt not in ("markdown", "csv", "json"):
             raise FedfeatError(f"unknown format '{fmt}'; choose markdown, csv or json")
-        typer.echo(list_tables(fmt))
+        typer.echo(list_tables(fmt, name))  # NAME: that table only; an unknown one names the known ones
         return
     if name is None:
         raise FedfeatError(f"name a table (fedfeat reproduce --list): {', '.join(TABLES)}")

@@ -23,7 +23,12 @@ def sweep(
     set_: Optional[list[str]] = typer.Option(
         None, "--set", help="Hyperparameter key=v1,v2 (repeatable): every value is a grid axis."
     ),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Redo finished runs (default: skip them)."),
+    overwrite: bool = typer.Option(
+        False,
+        "--overwrite",
+        help="Redo finished runs (default: skip them, and finish the runs a kill interrupted: resumed from their "
+        "checkpoints, else started again).",
+    ),
     fmt: str = typer.Option("markdown", "--format", help="The closing table: markdown, csv or json."),
     quiet: bool = typer.Option(False, "--quiet", help="No per-run lines and no progress line."),
     threads: str = threads_option(),
@@ -66,8 +71,9 @@ def sweep(
     ),
 ) -> None:
     """Run a grid of runs in one process (stores, partitions and features loaded once; runs that read the same
-    data stacked into one program); every point is an ordinary run directory; finished runs are skipped. Ends
-    with mean ± std over seeds per setting."""
+    data stacked into one program); every point is an ordinary run directory; finished runs are skipped, runs a
+    kill interrupted are finished (the same command again finishes the grid). Ends with mean ± std over seeds per
+    setting."""
     from fedfeat.report.tables import report
     from fedfeat.runs import sweep as sw
     from fedfeat.runs.config import TYPES
@@ -86,8 +92,9 @@ def sweep(
         k, v = s.split("=", 1)
         kw["params"][k.strip()] = sw.parse_values(k.strip(), v, str)
     from fedfeat.runs.callbacks import use
-    from fedfeat.runs.launch import launch
+    from fedfeat.runs.launch import check_slurm, launch
 
+    check_slurm(slurm_time, slurm_cluster)  # one line before any logger or store is opened
     loggers = _loggers(logger, log_dir)
     # this process's runs (--launcher local); launch gives the jobs theirs
     requested = apply_threads(ctx, threads)

@@ -162,21 +162,46 @@ def list_models(*, all_tags: bool = False, cache_dir: str | Path | None = None, 
 
 
 # ---------------------------------------------------------------------------------------- devices, precision
+def devices_here() -> str:
+    """The devices torch can use on this machine, in words: ``cpu``, then ``cuda:0`` .. ``cuda:N-1`` when CUDA is
+    available, and ``mps`` (which fedfeat does not run on) when torch has it."""
+    out = ["cpu"]
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        out.append("cuda:0" if n == 1 else f"cuda:0 .. cuda:{n - 1}")
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        out.append("mps (fedfeat does not run on it)")
+    return ", ".join(out)
+
+
 def resolve_device(device: str = "auto", local_rank: int | None = None) -> torch.device:
-    """``auto`` -> ``cuda`` when available, else ``cpu``; ``cuda`` under torchrun -> ``cuda:<local rank>``."""
+    """``auto`` -> ``cuda`` when available, else ``cpu``; ``cuda`` under torchrun -> ``cuda:<local rank>``.
+    Anything else -- a device fedfeat does not run on (``tpu``, ``mps``), CUDA where torch has none, a GPU index
+    past the last -- is one ``FedfeatError`` line naming the device and the ones this machine has."""
+    device = str(device)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise FedfeatError(f"unknown device '{device}'; use auto, cpu, cuda or cuda:N") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise FedfeatError("--device cuda but torch sees no CUDA GPU; use --device cpu (or auto)")
-        if dev.index is None and local_rank is not None:
-            dev = torch.device("cuda", local_rank)
-    elif dev.type != "cpu":
-        raise FedfeatError(f"device '{device}' is not supported; use auto, cpu or cuda")
+    if device != "cpu" and device != "cuda" and not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise FedfeatError(
+            f"unknown device {device!r}: fedfeat runs on auto, cpu, cuda or cuda:N (this machine has "
+            f"{devices_here()}); e.g. --device auto"
+        )
+    if device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise FedfeatError(
+            f"--device {device}, but torch sees no CUDA device (this machine has {devices_here()}); use --device cpu "
+            "or auto"
+        )
+    dev = torch.device(device)
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise FedfeatError(
+            f"--device {device}: there is no such GPU (this machine has {devices_here()}); use --device cuda or "
+            "one of those"
+        )
+    if dev.index is None and local_rank is not None:
+        dev = torch.device("cuda", local_rank)
     return dev
 
 

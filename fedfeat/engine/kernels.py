@@ -17,7 +17,8 @@ It is the same mathematics as the torch path (``fedfeat.methods.linear``, ``fedf
 differently: the tests run both against the loop engine (``test_engine.py``; ``test_kernel_exactness.py``: float64
 to ~1e-15; float32 to ~1e-7, except where FST-CBDG's argmax of a soft label falls on a near-tie that rounding
 decides, see there), and NaN / inf propagate as in torch (LLVM's fast-math flags without ``nnan`` / ``ninf``).
-Compiled by numba on first use (cached on disk next to this file).
+Compiled by numba on first use (cached on disk next to this file; an unreadable cache entry is deleted and
+compiled again, ``fedfeat.engine.numba_cache``).
 
 (Over ~600 lines on purpose: the kernels share their compiled building blocks -- the bucket-sort shuffle, the blocked
 logits with prefetch, the inlined exp, the SGD step -- and numba's on-disk cache watches only the file that defines
@@ -45,6 +46,7 @@ os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")  # numba's own pool:
 import numba as nb  # noqa: E402
 
 from fedfeat.engine import rng  # noqa: E402
+from fedfeat.engine.numba_cache import cached  # noqa: E402
 
 nb.config.THREADING_LAYER = "workqueue"  # (also when numba was imported before us)
 
@@ -732,7 +734,7 @@ def _fst_client(
         loss_out[s, j] = loss
 
 
-@nb.njit(parallel=True, fastmath=_FM, cache=True)
+@cached(parallel=True, fastmath=_FM)
 def _linear_epoch(
     feats, labels, starts, sizes, B, keys, runs, W, b, mW, mb, Wgs, bgs, hps, mode, loss_out, init, one_epoch,
     workers,
@@ -753,7 +755,7 @@ def _linear_epoch(
             j = _next(nxt)
 
 
-@nb.njit(parallel=True, fastmath=_FM, cache=True)
+@cached(parallel=True, fastmath=_FM)
 def _fst_epoch(
     feats, starts, sizes, B, keys, runs, qs, W, b, mW, mb, Wgs, bgs, text, n_k, cids, key_orders, key_signs, banks,
     bank_of, hps, loss_out, init, one_epoch, workers,
@@ -801,7 +803,7 @@ def stacked_epoch(kind: str, threads: int, **kw) -> None:
         )  # fmt: skip
 
 
-@nb.njit(cache=True)
+@cached()
 def _argmax_counts(q, starts, sizes, out):
     for j in range(sizes.shape[0]):
         for r in range(starts[j], starts[j] + sizes[j]):

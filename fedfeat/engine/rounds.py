@@ -154,7 +154,10 @@ class TorchLocal:
         )
         p = {k: v[:n].detach().requires_grad_(True) for k, v in self.params.items()}
         self.n = n
-        return p, self.method.step_loss(ctx, p, batch, self.local)  # [n]
+        loss = self.method.step_loss(ctx, p, batch, self.local)  # [n]
+        if self.loss_n == 0:  # the update's first step: the hook's shape, checked once (not per step)
+            check_loss(self.method, loss, n)
+        return p, loss
 
     def step(self, p: dict, loss: torch.Tensor, grads) -> None:
         """The optimiser's step with ``grads`` (of ``p``'s tensors, in its order) and the loss counted."""
@@ -182,6 +185,7 @@ def evaluate(method, ctx: Context, glob: dict, test_y: torch.Tensor, n_classes: 
     if getattr(ctx, "open_vocab", None) is not None:
         return evaluate_open_vocab(method, ctx, glob, test_y, n_classes)
     logits = method.predict(ctx, glob, ctx.test_x)
+    check_logits(method, logits, test_y.shape[0], n_classes)  # [N, K]: shapes only, no sync
     # a class-major head's logits come as a transposed view: argmax over the classes of a contiguous copy is ~3x
     # faster than the strided reduction (10,000 x 10: 0.45 vs 1.44 ms on one thread), and gives the same indices
     pred = logits.contiguous().argmax(1)
@@ -431,6 +435,61 @@ def sharded_local(method, ctx: Context, plan: RoundPlan, glob: dict, kernel: str
     return cparams, stats
 
 
+def _shape(v) -> str:
+    """A hook's output in words: a tensor's shape ``[4, 10]``, else its type."""
+    if isinstance(v, torch.Tensor):
+        return "a tensor [" + ", ".join(map(str, v.shape)) + "]"
+    return f"{type(v).__name__} {v!r:.40}"
+
+
+def check_loss(method, loss, n: int) -> None:
+    """``step_loss`` returns one loss per active client, ``[n]``: a scalar (a mean over clients) would scale every
+    client's gradient by 1/n, a ``[n, B]`` would be summed into the loss unnoticed. A one-line ``FedfeatError``."""
+    if not isinstance(loss, torch.Tensor) or loss.shape != (n,):
+        raise FedfeatError(
+            f"method {method.name}: step_loss returned {_shape(loss)}, expected a tensor [{n}] (one loss per active "
+            "client: reduce over each client's batch, not over clients)"
+        )
+
+
+def check_logits(method, logits, n: int, k: int) -> None:
+    """``predict`` returns ``[N, K]`` logits: one row per evaluated sample, one column per class."""
+    if not isinstance(logits, torch.Tensor) or logits.shape != (n, k):
+        raise FedfeatError(
+            f"method {method.name}: predict returned {_shape(logits)}, expected a tensor [{n}, {k}] (one row per "
+            "sample of x, one column per class)"
+        )
+
+
+def check_params(method, hook: str, out, old: dict | None = None) -> dict:
+    """``init_global`` returns ``{name: tensor}``; ``server_update`` the same names and shapes as the global
+    parameters it was given (``old``). Returns ``out``; a violation is one ``FedfeatError`` line naming the hook,
+    the parameter, what was expected and what came back. Host metadata only (no sync), once per round."""
+    if not isinstance(out, dict):
+        raise FedfeatError(
+            f"method {method.name}: {hook} returned {_shape(out)}, expected a dict {{name: tensor}} of the global "
+            "parameters"
+        )
+    for k, v in out.items():
+        if not isinstance(k, str) or not isinstance(v, torch.Tensor):
+            raise FedfeatError(
+                f"method {method.name}: {hook} returned {{{k!r:.40}: {_shape(v)}}}, expected a dict of named tensors"
+            )
+    if old is not None:
+        if out.keys() != old.keys():
+            raise FedfeatError(
+                f"method {method.name}: {hook} returned the parameters {sorted(out)}, expected the same names as the "
+                f"global parameters it was given, {sorted(old)}"
+            )
+        for k, v in out.items():
+            if v.shape != old[k].shape:
+                raise FedfeatError(
+                    f"method {method.name}: {hook} returned {k} as {_shape(v)}, expected the shape of the global "
+                    f"{k}, {_shape(old[k])}"
+                )
+    return out
+
+
 def check_finite(method, ctx: Context, rnd: int, glob: dict, loss: float | None) -> None:
     """Stop a run whose loss or weights became NaN or inf (a run that looks finished must not hold them)."""
     what = [] if loss is None or np.isfinite(loss) else ["training loss"]
@@ -473,6 +532,7 @@ def _run(
     K = len(data.class_names)
     method.setup(ctx)
     glob = method.init_global(ctx)
+    check_params(method, "init_global", glob)
     metrics: list[dict] = []
     first = 1
     if resume is not None:  # the checkpoint replaces what setup and init_global made
@@ -522,7 +582,7 @@ def _run(
                 "loss_steps": sum(o[1]["loss_steps"] for o in outs),
             }
         new = method.aggregate(ctx, plan, glob, cparams)
-        glob = method.server_update(ctx, plan, glob, new)
+        glob = check_params(method, "server_update", method.server_update(ctx, plan, glob, new), glob)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         train_seconds = time.perf_counter() - t0  # local updates + aggregation + server step (no evaluation)
@@ -552,13 +612,11 @@ def _run(
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise FedfeatError("--device cuda asked for, but torch sees no CUDA device; use --device cpu or auto")
-    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
-        raise FedfeatError(f"unknown device '{name}'; choose auto, cpu or cuda")
-    return torch.device(name)
+    """``--device``: auto, cpu, cuda or cuda:N, checked against this machine (one line naming the devices it has:
+    ``fedfeat.encoders.openclip.resolve_device``)."""
+    from fedfeat.encoders.openclip import resolve_device as resolve
+
+    return resolve(name)
 
 
 __all__ = [

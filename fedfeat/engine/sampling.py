@@ -13,15 +13,16 @@ compares both with numpy), several times faster. Memory: the ``[n]`` int64 permu
 
 from __future__ import annotations
 
-import numba as nb
 import numpy as np
+
+from fedfeat.engine.numba_cache import cached
 
 _N, _M = 624, 397
 _MATRIX_A, _UPPER, _LOWER = 0x9908B0DF, 0x80000000, 0x7FFFFFFF
 _M32 = 0xFFFFFFFF
 
 
-@nb.njit(cache=True)
+@cached()
 def _seed(key, seed):  # pragma: no cover - compiled
     """numpy's legacy ``mt19937_seed``: the key of ``RandomState(seed)`` for an int seed in [0, 2**32)."""
     s = np.uint64(seed) & np.uint64(_M32)
@@ -30,7 +31,7 @@ def _seed(key, seed):  # pragma: no cover - compiled
         s = (np.uint64(1812433253) * (s ^ (s >> np.uint64(30))) + np.uint64(pos + 1)) & np.uint64(_M32)
 
 
-@nb.njit(cache=True)
+@cached()
 def _gen(key):  # pragma: no cover - compiled
     """numpy's ``mt19937_gen``: the next 624 untempered words, in place (uint64 holding 32-bit values)."""
     for i in range(_N):
@@ -41,7 +42,7 @@ def _gen(key):  # pragma: no cover - compiled
         key[i] = v
 
 
-@nb.njit(cache=True)
+@cached()
 def _choice(seed, n, m):  # pragma: no cover - compiled
     key = np.empty(_N, dtype=np.uint64)
     _seed(key, seed)

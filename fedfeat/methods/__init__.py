@@ -20,6 +20,8 @@ Example::
 
 from __future__ import annotations
 
+import types
+
 # the modules below register their methods on import (import order = listing order)
 # isort: off
 from fedfeat.methods import zeroshot, linear, fst_cbdg, synthesis  # noqa: E402, F401
@@ -50,22 +52,48 @@ def load_plugins() -> list[str]:
     """Import the methods other packages declare under the ``fedfeat.methods`` entry point group (pyproject:
     ``[project.entry-points."fedfeat.methods"] mymethod = "mypkg.mymethod"``); a module registers its classes with
     ``@register`` on import, and an entry point may also name a ``Method`` subclass, registered here. Returns the
-    names loaded. A plugin that fails to import is a one-line error naming it."""
+    names loaded.
+
+    Every failure is one ``FedfeatError`` line naming the entry point, what it points at and the package that
+    declares it: a plugin that fails to import, an entry point that names neither a module nor a ``Method``
+    subclass, and a plugin class that takes a built-in method's name (``register``: a plugin cannot replace
+    ``fedavg``). A run of a plugin's method records the plugin (``base.plugin_info``)."""
     from importlib.metadata import entry_points
 
     from fedfeat.errors import FedfeatError
+    from fedfeat.methods.base import PLUGIN_DISTRIBUTIONS
 
     loaded = []
     for ep in entry_points(group=ENTRY_POINT_GROUP):
+        dist = getattr(ep, "dist", None)
+        dist_name = getattr(dist, "name", None) if dist is not None else None
+        where = f"method plugin {ep.name} ({ep.value}" + (f", package {dist_name}" if dist_name else "") + ")"
+        if dist_name:  # the package a run records for the plugin's classes (base.plugin_info)
+            try:
+                version = dist.version
+            except Exception:  # metadata without a version
+                version = None
+            PLUGIN_DISTRIBUTIONS[ep.value.split(":")[0].split(".")[0].strip()] = (dist_name, version)
         try:
             obj = ep.load()
+        except FedfeatError as e:  # the module's own @register refused (a built-in's name, a bad capability)
+            raise FedfeatError(f"{where}: {e}") from None
         except Exception as e:  # a third-party import error of any kind
             raise FedfeatError(
-                f"method plugin {ep.name} ({ep.value}) failed to import: {type(e).__name__}: {e}; fix or uninstall "
-                "the package that declares it"
+                f"{where} failed to import: {type(e).__name__}: {' '.join(str(e).split())}; fix or uninstall the "
+                "package that declares it"
             ) from None
-        if isinstance(obj, type) and issubclass(obj, Method) and obj.name not in REGISTRY:
-            register(obj)
+        if isinstance(obj, type) and issubclass(obj, Method):
+            if REGISTRY.get(obj.name) is not obj:  # not registered by its module already
+                try:
+                    register(obj)
+                except FedfeatError as e:
+                    raise FedfeatError(f"{where}: {e}") from None
+        elif not isinstance(obj, types.ModuleType):
+            raise FedfeatError(
+                f"{where} names {type(obj).__name__} {str(obj)[:60]!r}, neither a module nor a Method subclass; point "
+                "it at a module that registers its methods with @register, or at a Method subclass ('mypkg:MyMethod')"
+            )
         loaded.append(ep.name)
     return loaded
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import re
 import types
 import typing
 import warnings
@@ -27,13 +29,28 @@ def register(cls):
     attribute one or two edits away from a capability's name (``needs_live_txt``) is a misspelling, refused (a
     one-line ``FedfeatError`` naming the capability meant) rather than silently ignored.
 
-    Registering a name again replaces the old class with a ``UserWarning`` naming both (a notebook cell that
-    redefines a method is run again)."""
-    if not cls.name:
+    Registering a plugin's name again replaces the old class with a ``UserWarning`` naming both (a notebook cell
+    that redefines a method is run again). A built-in's name (a class from a ``fedfeat.`` module: ``is_builtin``)
+    cannot be taken by a plugin: that is a one-line ``FedfeatError`` naming the plugin's module and a free name, so
+    that a run recorded as ``fedavg`` is always fedfeat's FedAvg."""
+    if not isinstance(cls, type) or not issubclass(cls, Method):
+        raise FedfeatError(
+            f"register takes a Method subclass, got {type(cls).__name__} {_show(cls)}; decorate the method's class "
+            "(@register above class MyMethod(Method))"
+        )
+    if not isinstance(cls.name, str) or not cls.name:
         raise FedfeatError(f"{cls.__qualname__} has no name; set the class attribute name = 'my-method'")
     check_capabilities(cls)
+    for key, text in declared_ranges(cls.Params).items():  # hyperparameter ranges: declared in a form we read
+        check_range_declaration(key, text, cls.name)
     old = REGISTRY.get(cls.name)
     if old is not None and old is not cls:
+        if is_builtin(old) and not is_builtin(cls):
+            raise FedfeatError(
+                f"method plugin {_where(cls)} registers the name {cls.name!r}, which is fedfeat's built-in "
+                f"{_where(old)}; a plugin cannot replace a built-in method: give it a name of its own, e.g. "
+                f"name = {_free_name(cls)!r}"
+            )
         warnings.warn(
             f"method {cls.name}: {_where(old)} replaced by {_where(cls)}", UserWarning, stacklevel=2
         )
@@ -43,6 +60,76 @@ def register(cls):
 
 def _where(cls) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def is_builtin(cls) -> bool:
+    """Whether a method class (or instance) is fedfeat's own: defined in a ``fedfeat.`` module. Every other class is
+    a plugin, which a run records by module, distribution and version (``plugin_info``)."""
+    cls = cls if isinstance(cls, type) else type(cls)
+    module = getattr(cls, "__module__", "") or ""
+    return module == "fedfeat" or module.startswith("fedfeat.")
+
+
+def _free_name(cls) -> str:
+    """A registry name for a plugin class that takes a built-in's: the name with the plugin's package appended."""
+    pkg = (cls.__module__ or "plugin").split(".")[0].strip("_").replace("_", "-") or "plugin"
+    name = f"{cls.name}-{pkg}"
+    i = 2
+    while name in REGISTRY:
+        name, i = f"{cls.name}-{pkg}{i}", i + 1
+    return name
+
+
+# distribution of a plugin module's top-level package, as its entry point named it (``load_plugins``): found even
+# where the distribution lists no files (an editable install, a bare .dist-info)
+PLUGIN_DISTRIBUTIONS: dict[str, tuple[str, str | None]] = {}
+
+
+def plugin_info(cls) -> dict | None:
+    """What a run records about a method that is not fedfeat's own (``is_builtin``): ``{"class", "module", "file",
+    "source_sha256", "distribution", "version"}`` -- the class and its module, the module's source file and its
+    sha256 (the exact code that ran), and the installed distribution that provides it with its version
+    (``importlib.metadata``; None for a class defined in a notebook or a script). None for a built-in."""
+    import hashlib
+    import inspect
+    import sys
+
+    cls = cls if isinstance(cls, type) else type(cls)
+    if is_builtin(cls):
+        return None
+    module = cls.__module__ or ""
+    out: dict = {"class": cls.__qualname__, "module": module, "file": None, "source_sha256": None}
+    try:
+        src = inspect.getsourcefile(sys.modules[module]) if module in sys.modules else None
+    except (TypeError, OSError):  # a built-in or a class made in a notebook cell
+        src = None
+    if src:
+        out["file"] = str(src)
+        try:
+            with open(src, "rb") as f:
+                out["source_sha256"] = hashlib.sha256(f.read()).hexdigest()
+        except OSError:
+            pass
+    out["distribution"], out["version"] = _distribution(module.split(".")[0])
+    return out
+
+
+def _distribution(top: str) -> tuple[str | None, str | None]:
+    """``(distribution name, version)`` that installs the top-level package ``top``, or ``(None, None)``."""
+    from importlib import metadata
+
+    if top in PLUGIN_DISTRIBUTIONS:
+        return PLUGIN_DISTRIBUTIONS[top]
+    try:
+        names = metadata.packages_distributions().get(top) or []
+    except Exception:  # a damaged installation's metadata: the run is recorded without it
+        names = []
+    for name in names:
+        try:
+            return name, metadata.version(name)
+        except Exception:
+            continue
+    return None, None
 
 
 def _coerce(field: dataclasses.Field, value, hints: dict):
@@ -155,9 +242,103 @@ def make_params(cls: type[Method], overrides: dict) -> object:
     for k, v in dataclasses.asdict(p).items():
         if isinstance(v, float) and not math.isfinite(v):
             raise FedfeatError(f"{cls.name}.{k} = {v} is not finite; hyperparameters must be finite numbers")
+    check_ranges(p, cls.name)
     if hasattr(p, "validate"):
         p.validate()
     return p
+
+
+# ---------------------------------------------------------------------------------------------- hyperparameter ranges
+# the hyperparameters the engine itself reads from every method's params, with their valid ranges: the local plan
+# (``make_plan``: batch_size, local_epochs) and ``Method.make_optimizer`` (lr, lr_decay, momentum, weight_decay)
+ENGINE_RANGES = {
+    "batch_size": ">= 1",
+    "local_epochs": ">= 1",
+    "lr": "> 0",
+    "lr_decay": "(0, 1]",  # the per-round learning-rate factor: 1 = no decay
+    "momentum": "[0, 1)",
+    "weight_decay": ">= 0",
+}
+
+_RANGE = re.compile(
+    r"^\s*(?:(?P<op>>=|>|<=|<)\s*(?P<x>\S+)|(?P<lb>[\[(])\s*(?P<lo>[^,\s]+)\s*,\s*(?P<hi>[^\])\s]+)\s*(?P<rb>[\])]))\s*$"
+)
+
+
+def parse_range(text: str) -> tuple[float, bool, float, bool]:
+    """``">= 1"``, ``"> 0"``, ``"<= 5"``, ``"[0, 1)"``, ``"(0, 1]"`` -> ``(low, low included, high, high
+    included)``, unbounded ends as -inf / inf. A declaration that is none of these is a one-line error."""
+    if not isinstance(text, str):
+        raise FedfeatError(f"range {_show(text)} is not a string such as '>= 0' or '[0, 1)'")
+    return _parse_range(text)
+
+
+@functools.cache
+def _parse_range(text: str) -> tuple[float, bool, float, bool]:
+    m = _RANGE.match(text)
+    try:
+        if m and m["op"]:
+            x = float(m["x"])
+            return {
+                ">=": (x, True, math.inf, False),
+                ">": (x, False, math.inf, False),
+                "<=": (-math.inf, False, x, True),
+                "<": (-math.inf, False, x, False),
+            }[m["op"]]
+        if m:
+            return float(m["lo"]), m["lb"] == "[", float(m["hi"]), m["rb"] == "]"
+    except ValueError:
+        pass
+    raise FedfeatError(
+        f"range {text!r} is not one of '>= a', '> a', '<= a', '< a', '[a, b]', '(a, b)', '[a, b)', '(a, b]'"
+    )
+
+
+def check_range_declaration(key: str, text, method: str | None = None) -> tuple[float, bool, float, bool]:
+    """``parse_range`` of a declared range, its error naming the method and the field (``register`` checks every
+    declaration of a class so, before any run)."""
+    try:
+        return parse_range(text)
+    except FedfeatError as e:
+        raise FedfeatError(
+            f"{method or 'method'}: RANGES[{key!r}]: {e}; fix the params class's RANGES"
+        ) from None
+
+
+def in_range(value, text: str) -> bool:
+    lo, lo_in, hi, hi_in = parse_range(text)
+    return (value > lo or (lo_in and value == lo)) and (value < hi or (hi_in and value == hi))
+
+
+def declared_ranges(params) -> dict[str, str]:
+    """``{field: range}`` that a params dataclass (or instance) declares for its numeric fields: ``ENGINE_RANGES``
+    for the fields it has, then the ``RANGES`` class attribute of its classes (``RANGES = {"mu": ">= 0"}``), bases
+    first, a subclass's range replacing its base's for the same field. ``make_params`` refuses a value outside."""
+    P = params if isinstance(params, type) else type(params)
+    names = {f.name for f in dataclasses.fields(P)} if dataclasses.is_dataclass(P) else set()
+    out = {k: v for k, v in ENGINE_RANGES.items() if k in names}
+    for c in reversed(P.__mro__):
+        declared = vars(c).get("RANGES")
+        if isinstance(declared, Mapping):
+            out.update({k: v for k, v in declared.items() if k in names})
+    return out
+
+
+def check_ranges(params, method: str | None = None) -> None:
+    """Refuse a numeric hyperparameter outside its declared range (``declared_ranges``) in one ``FedfeatError`` line
+    naming the key, the value, the valid range and the default (None values -- an unset optional -- are skipped)."""
+    where = f"{method}: " if method else ""
+    for key, text in declared_ranges(params).items():
+        v = getattr(params, key, None)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        lo, _, hi, _ = check_range_declaration(key, text, method)
+        if not in_range(v, text):
+            words = text if not (math.isfinite(lo) and math.isfinite(hi)) else f"in {text}"
+            default = next((f.default for f in dataclasses.fields(params) if f.name == key), None)
+            raise FedfeatError(
+                f"{where}{key} = {v} is out of range: {key} must be {words}; e.g. --set {key}={default}"
+            )
 
 
 def get_method(name: str, overrides: dict | None = None) -> Method:
@@ -374,6 +555,16 @@ class Method:
     own (``declared_state()`` is the effective one, over the MRO). Writing an undeclared key raises a ``KeyError``
     naming the method, the key and ``state_keys``; reading is free. A method that keeps no state declares nothing.
     The engine's own keys (``round_buffers``, ``carried_optimizer``) are ``engine.context.ENGINE_STATE_KEYS``.
+
+    Shapes the engine checks where a hook's output enters it (``fedfeat.engine.rounds``: metadata only, no sync):
+    ``init_global`` a dict of named tensors, ``server_update`` the same names and shapes as the global parameters it
+    was given (every round), ``step_loss`` ``[n]`` (the first step of each local update), ``predict`` ``[N, K]``
+    (every evaluation). A violation stops the run with one ``FedfeatError`` line naming the method, the hook, what was
+    expected and what came back.
+
+    Hyperparameters: ``Params`` is a frozen dataclass; ``make_params`` refuses a value outside its declared range
+    (``declared_ranges``: the engine's keys ``ENGINE_RANGES`` and each params class's ``RANGES = {field: "> 0"}``)
+    before the class's own ``validate()`` runs.
     """
 
     name = ""
@@ -586,10 +777,14 @@ __all__ = [
     "Method",
     "REGISTRY",
     "capabilities",
+    "check_ranges",
     "check_state_keys",
+    "declared_ranges",
     "get_method",
+    "is_builtin",
     "method_table",
     "param_bytes",
+    "plugin_info",
     "register",
     "stackable",
 ]

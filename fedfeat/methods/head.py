@@ -21,8 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from fedfeat.engine.context import Batch, Context, fused_batches, masked_mean
-from fedfeat.errors import FedfeatError
-from fedfeat.methods.base import Method
+from fedfeat.methods.base import Method, check_ranges
 
 
 class _BatchedLinear(torch.autograd.Function):
@@ -68,21 +67,13 @@ class LinearHeadParams:
     )
     templates: Literal["first", "ensemble"] = "first"  # first = "a photo of a {}."; ensemble = mean of all
 
+    # valid ranges (``base.declared_ranges``: with the engine's batch_size, local_epochs, lr, lr_decay, momentum and
+    # weight_decay); a subclass adds its own fields' in its own RANGES
+    RANGES = {"logit_scale": "> 0"}
+
     def validate(self) -> None:
-        if self.local_epochs < 1 or self.batch_size < 1:
-            raise FedfeatError(
-                f"local_epochs and batch_size must be >= 1, got {self.local_epochs} and {self.batch_size}; "
-                "e.g. --set batch_size=50"
-            )
-        if self.lr <= 0 or self.logit_scale <= 0:
-            raise FedfeatError(
-                f"lr and logit_scale must be > 0, got {self.lr} and {self.logit_scale}; e.g. --set lr=0.01"
-            )
-        if not 0 <= self.momentum < 1 or self.weight_decay < 0:
-            raise FedfeatError(
-                f"momentum must be in [0, 1) and weight_decay >= 0, got {self.momentum} and {self.weight_decay}; "
-                "e.g. --set momentum=0.9"
-            )
+        # the one generic rule: every declared range, the subclass's included (make_params checks them first too)
+        check_ranges(self)
 
 
 class LinearHead(Method):

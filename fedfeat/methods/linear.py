@@ -43,6 +43,8 @@ class Centralized(FedAvg):
 class FedProxParams(LinearHeadParams):
     mu: float = 0.01  # FedProx (Li et al. 2020) proximal weight; their grid {0.001, 0.01, 0.1, 1}
 
+    RANGES = {"mu": ">= 0"}  # 0 = FedAvg; a negative weight rewards drifting away from the global model
+
 
 @register
 class FedProx(LinearHead):
@@ -71,6 +73,8 @@ class FedAvgMParams(LinearHeadParams):
     # (adap/flower baselines/fedavgm/fedavgm/conf/base.yaml, server.momentum) and FL-bench (src/server/fedavgm.py)
     server_momentum: float = 0.9
     server_lr: float = 1.0  # eta in w = w - eta v: 1.0 in both (server.learning_rate; FL-bench's SGD lr)
+
+    RANGES = {"server_momentum": "[0, 1)", "server_lr": "> 0"}
 
 
 @register
@@ -120,6 +124,9 @@ class FedAvgM(FedAvg):
 class FedNTDParams(LinearHeadParams):
     tau: float = 1.0  # FedNTD config/fedntd.json (the class default of 3 is overridden by the config)
     beta: float = 1.0  # FedNTD config/fedntd.json
+
+    # tau divides the logits (a temperature); beta weighs the NTD loss
+    RANGES = {"tau": "> 0", "beta": ">= 0"}
 
 
 def ntd_loss(

@@ -575,6 +575,8 @@ class CLIP2FLParams(CReFFParams):
     pcl_repeats: int = 100  # main.py new_text_features: each text feature repeated 100 times (hard-coded)
     pcl_form: Literal["code", "paper"] = "code"  # code: losses.SupConLoss_text (module doc); paper: Eq. 7
 
+    RANGES = {"teacher_logit_scale": "> 0"}  # the CLIP teacher's logit scale (its other fields: validate)
+
     def validate(self) -> None:
         super().validate()
         if self.kd_temperature <= 0 or self.pcl_temperature <= 0:

@@ -36,7 +36,7 @@ OPTIONAL_TYPES = {
     "best_round": (int,), "uses_labels": (bool,), "bytes_down": _NUM, "seconds": _NUM, "engine": (str,),
     "kernel": (str,), "device": (str,), "best_val_acc": _NUM, "best_val_round": (int,),
     "test_acc_at_best_val": _NUM, **{k: _NUM for k in SUMMARY_EXTRAS}, **{k: (int,) for k in MEMORY_KEYS},
-    "diverged": (dict,),
+    "diverged": (dict,), "weights_sha256": (str,),
 }  # fmt: skip
 TYPE_NAMES = {_NUM: "a number", (int,): "an integer", (str,): "a string", (dict,): "a table (JSON object)",
               (bool,): "true or false"}  # fmt: skip
@@ -243,21 +243,57 @@ def load_results(run_dir) -> dict:
     as ``{name: numpy array}``: ``rounds`` [E], ``class_acc`` [E, K] (%), ``client_acc`` [E, n_clients] (%, NaN
     where a client has no local test rows; only with local test splits), ``confusion`` [K, K] (the last evaluated
     round; rows true class, columns predicted). ``{}`` when the run has no such file (runs made before it existed).
-    Read without pickle; a damaged file is one ``FedfeatError`` line."""
-    import zipfile
-
+    Read without pickle; a damaged file -- not a zip of arrays, or arrays of the wrong type or shape (float
+    counts, accuracies outside 0-100, a row count unlike ``rounds``'s: ``_check_results``) -- is one
+    ``FedfeatError`` line naming it."""
     import numpy as np
 
     p = Path(os.fspath(run_dir)) / RESULTS
-    if not p.is_file():
+    if not os.path.lexists(p):
         return {}
+    if not p.is_file():  # a FIFO would block, a directory is no file
+        raise FedfeatError(f"{p} is not a regular file; the run's per-class results are damaged (rerun it)")
     try:
         with np.load(p, allow_pickle=False) as z:
-            return {k: z[k] for k in z.files}
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
-        raise FedfeatError(
-            f"cannot read {p}: {e}; the run's per-class results are damaged (rerun it)"
-        ) from None
+            out = {k: z[k] for k in z.files}
+    except Exception as e:  # zipfile's, zlib's, numpy's and the OS's errors alike: the file is damaged
+        problem = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    else:
+        problem = _check_results(out)
+    if problem:
+        raise FedfeatError(f"cannot read {p}: {problem}; the run's per-class results are damaged (rerun it)")
+    return out
+
+
+def _check_results(d: dict) -> str | None:
+    """What is wrong with ``results.npz``'s arrays (``write_results``' types and shapes), None when nothing."""
+    import numpy as np
+
+    def kind(a, k: str) -> bool:
+        return np.issubdtype(a.dtype, np.integer if k == "int" else np.floating)
+
+    for k in ("rounds", "class_acc"):
+        if k not in d:
+            return f"it has no {k!r} array"
+    r = d["rounds"]
+    if r.ndim != 1 or not kind(r, "int") or (r < 0).any():
+        return f"'rounds' is {r.dtype} {list(r.shape)}, expected the evaluated rounds (non-negative integers [E])"
+    for k in ("class_acc", "client_acc"):
+        if k not in d:
+            continue
+        a = d[k]
+        if not len(r) and a.size == 0 and kind(a, "float"):  # no evaluated round with per-class rows
+            continue
+        if a.ndim != 2 or not kind(a, "float") or a.shape[0] != len(r):
+            return f"{k!r} is {a.dtype} {list(a.shape)}, expected floats [{len(r)}, n] (one row per evaluated round)"
+        if (np.isinf(a) | (a < 0) | (a > 100)).any():  # NaN is an unscored class / client without test rows
+            return f"{k!r} holds values outside 0-100 (%)"
+    c = d.get("confusion")
+    if c is not None:
+        K = d["class_acc"].shape[1] if d["class_acc"].ndim == 2 else (c.shape[0] if c.ndim else -1)
+        if c.ndim != 2 or not kind(c, "int") or c.shape != (K, K) or (c < 0).any():
+            return f"'confusion' is {c.dtype} {list(c.shape)}, expected non-negative integer counts [{K}, K]"
+    return None
 
 
 def worst_client_acc(run_dir, frac: float = 0.1) -> float | None:

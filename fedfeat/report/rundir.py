@@ -196,6 +196,39 @@ class RunDir:
         shutil.rmtree(self.old)
 
 
+def take_unfinished(rd: RunDir, config_text: str, *, resumable: bool = True, log=None) -> bool:
+    """Under the run's lock, when a sweep (``fedfeat sweep`` / ``reproduce`` run again after a kill) meets the
+    unfinished run ``rd.partial`` of the run it is about to make, whose ``config.toml`` would read
+    ``config_text``: True to go on from it -- it wrote its ``summary.json`` before the kill (it is published as it
+    is) or a checkpoint (``resumable``: it is resumed from it, as ``fedfeat train --resume``, and checked as
+    there) --, False once it is removed (nothing to go on from: a stacked run's share, no checkpoint yet, killed
+    before its config was written; the run starts again). An unfinished run of other settings under this name
+    (its ``config.toml`` is not this run's, nor a cut-short write of it) is refused in one line and left as it
+    is."""
+    if not rd.partial.is_dir():
+        raise FedfeatError(
+            f"{rd.partial} is not a directory; move it away (it is no run of fedfeat's), then run again"
+        )
+    if os.path.lexists(rd.partial / "config.toml"):
+        try:
+            text = read_regular(rd.partial / "config.toml")
+        except FedfeatError:
+            text = None
+        if text is None or not config_text.startswith(text):  # a kill mid-write leaves a prefix of this run's
+            raise FedfeatError(
+                f"an unfinished run of other settings is in {rd.partial} (its config.toml is not this run's); "
+                f"resume it alone with `fedfeat train --resume {rd.final}`, or move it away, then run again"
+            )
+        if text == config_text and (rd.partial / "summary.json").is_file():
+            return True  # killed between its summary and the rename: finished, published as it is
+        if text == config_text and resumable and (rd.partial / CHECKPOINT).is_file():
+            return True
+    if log is not None:
+        log(f"{rd.name}: unfinished, no checkpoint to resume from: starting it again")
+    shutil.rmtree(rd.partial)
+    return False
+
+
 class Interrupted(BaseException):
     """SIGTERM, turned into an exception so that clean-up code runs (SIGINT is ``KeyboardInterrupt``)."""
 
@@ -344,9 +377,20 @@ class deferred_interrupts:
         return False
 
 
+_FAULT_HITS: dict[str, int] = {}
+
+
 def fault_point(name: str) -> None:
-    """Tests kill the process at a named point (``FEDFEAT_FAULT=name``): a real SIGKILL, no clean-up."""
-    if os.environ.get("FEDFEAT_FAULT") == name:
+    """Tests kill the process at a named point (``FEDFEAT_FAULT=name``, or ``name@K``: the K-th time this process
+    reaches it, e.g. ``after-round-3@2`` in a sweep's second run): a real SIGKILL, no clean-up."""
+    want = os.environ.get("FEDFEAT_FAULT")
+    if not want:
+        return
+    point, _, k = want.partition("@")
+    if point != name:
+        return
+    _FAULT_HITS[name] = _FAULT_HITS.get(name, 0) + 1
+    if not k or str(_FAULT_HITS[name]) == k:
         os.kill(os.getpid(), signal.SIGKILL)
 
 

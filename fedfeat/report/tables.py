@@ -176,7 +176,12 @@ def report(
         if has_ov:
             row += [_fmt(s.get(k)) for k in ov_keys]
         if has_local:
-            row += [_fmt(s.get("local_acc")), _fmt(worst_client_acc(q))]
+            try:
+                worst = worst_client_acc(q)
+            except FedfeatError as e:  # a damaged results.npz: this run's column only, said on stderr
+                warn(f"warning: {e}; its worst-10% client accuracy is left out")
+                worst = None
+            row += [_fmt(s.get("local_acc")), _fmt(worst)]
         row += [f"{s['seconds_per_round']:.3f}", f"{s['bytes_up'] / 1e6:.1f}"]
         row += ["-" if s.get(k) is None else f"{s[k] / 1e9:.2f}" for k in mem_keys]
         if fmt == "csv" and any(notes):
@@ -513,9 +518,16 @@ def seed_figure(
     if kind == "clients":
         from fedfeat.report.load import load_results
 
+        def client_acc(r):  # a damaged results.npz leaves that run out of the figure, said on stderr
+            try:
+                return load_results(r[2]).get("client_acc") if len(r) > 2 else None
+            except FedfeatError as e:
+                print(f"warning: {e}; the run is left out of the per-client figure", file=sys.stderr)
+                return None
+
         groups = []
         for (label, panel, _), rs in grouped.items():
-            accs = [load_results(r[2]).get("client_acc") if len(r) > 2 else None for r in rs]
+            accs = [client_acc(r) for r in rs]
             accs = [a[-1] for a in accs if a is not None and len(a)]
             if accs:
                 groups.append({"label": label, "method": rs[0][0]["method"], "panel": panel, "acc": accs})

@@ -183,6 +183,10 @@ def read_toml(path: str | os.PathLike, what: str, example: str) -> dict:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise FedfeatError(f"{what} {p} is not valid TOML: {e}; fix the line it names") from None
+    except RecursionError:  # tomllib reads nested arrays and inline tables recursively
+        raise FedfeatError(
+            f"{what} {p} has arrays or tables nested too deep to read (a settings file has a few levels); {example}"
+        ) from None
     if not data:
         raise FedfeatError(f"{what} {p} is empty (no settings); {example}")
     return data
@@ -353,14 +357,22 @@ def default_run_name(
     return f"{cfg.method}__{store_label(cfg.store, store_attrs)}__{part_key}__seed{cfg.seed}__{h}"
 
 
-def provenance() -> dict:
-    """fedfeat's version, the git commit when run from a checkout (``+dirty`` with local changes), the command."""
+def provenance(method=None) -> dict:
+    """fedfeat's version, the git commit when run from a checkout (``+dirty`` with local changes), the command; and
+    for a ``method`` that is not fedfeat's own (a plugin), ``plugin``: its class, module, source file and sha256,
+    distribution and version (``fedfeat.methods.base.plugin_info``) -- fedfeat's commit says nothing of its code."""
     from fedfeat._version import __version__
 
     out = {"fedfeat": __version__, "command": shlex.join(sys.argv), "cwd": os.getcwd()}
     commit = _git_commit()
     if commit:
         out["git_commit"] = commit
+    if method is not None:
+        from fedfeat.methods.base import plugin_info
+
+        plugin = plugin_info(method)
+        if plugin is not None:  # a built-in's provenance is unchanged
+            out["plugin"] = plugin
     return out
 
 

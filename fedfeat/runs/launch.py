@@ -11,6 +11,11 @@ what is missing), and the others are split into ``jobs`` chunks, runs that stack
 A job's failed runs come back as ``Failure`` records (they do not stop the job's other runs); a job that dies
 (killed, out of time) fails all its runs with its one-line error. The launcher waits for every job, advancing the
 progress display (``Display``) as jobs end.
+
+Checked before anything is opened or submitted, each a one-line ``FedfeatError``: ``--slurm-time`` (minutes >= 1),
+``--slurm-cluster`` (submitit's executors), a CUDA ``--device`` the machine lacks (local sweeps: once, not a failed
+run each), and ``--ray-address`` / ``RAY_ADDRESS``: a TCP connection within ``RAY_CONNECT_TIMEOUT`` seconds, since
+``ray.init`` retries an address where nothing listens for many minutes (``check_ray_address``).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import time
 from pathlib import Path
 
 from fedfeat.errors import FedfeatError
-from fedfeat.runs.sweep import Display, Failure, SweepFailed, one_line, run_sweep
+from fedfeat.runs.sweep import Display, Failure, SweepFailed, one_line, run_sweep, same_runs
 from fedfeat.runs.threads import Threads, decide, usable_cores
 from fedfeat.runs.threads import use as use_threads
 
@@ -109,15 +114,19 @@ def launch(
         raise FedfeatError(f"unknown --launcher {launcher!r}; choose local, slurm or ray")
     if jobs < 1:
         raise FedfeatError(f"--jobs must be >= 1, got {jobs}")
+    check_slurm(slurm_time, slurm_cluster)
     display = display or Display(0, quiet=True)
     if launcher == "local":
+        check_devices(points)  # a device this machine lacks: one line before any run, not one failed run each
         return run_sweep(points, overwrite=overwrite, progress=False, log=log, stack=stack, failures=failures,
                          display=display)  # fmt: skip
     mod = _need("submitit" if launcher == "slurm" else "ray", launcher)
+    if launcher == "ray" and not mod.is_initialized():  # before the stores are opened: one line, not a hang
+        check_ray_address(ray_address)
 
     from fedfeat.runs.config import DEFAULTS, resolve_config
+    from fedfeat.runs.grid import _applicable
     from fedfeat.runs.session import session
-    from fedfeat.runs.sweep import _applicable
     from fedfeat.runs.train import run_name, stack_group
     from fedfeat.store.urls import local_path
 
@@ -130,16 +139,7 @@ def launch(
             local_path(c.out, "--out", "a local directory for run directories")
         names = [run_name(c) for c in cfgs]
         groups = {i: (stack_group(c) if stack else None) or ("one", i) for i, c in enumerate(cfgs)}
-    seen: dict[Path, int] = {}
-    same: dict[int, int] = {}  # as run_sweep: settings that differ only in what the run ignores, made once
-    for i, path in enumerate(names):
-        if path in seen and cfgs[i] != cfgs[seen[path]]:
-            same[i] = seen[path]
-        elif path in seen:
-            raise FedfeatError(
-                f"grid points {seen[path] + 1} and {i + 1} are the same run ({path.name}); remove the duplicate"
-            )
-        seen[path] = i
+        same = same_runs(cfgs, names)  # as run_sweep: one run made once; colliding names refused
     paths: list = [None] * len(points)
     pending = []
     for i, path in enumerate(names):
@@ -224,7 +224,14 @@ def _ray(ray, chunks, points, overwrite, stack, collect, address, threads) -> No
     # a Ray of this host's cores, for these tasks (ray.init connects to RAY_ADDRESS's cluster where it is set)
     here = not ray.is_initialized() and address is None and not os.environ.get("RAY_ADDRESS")
     if not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        try:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        except (ConnectionError, RuntimeError, ValueError) as e:  # (a ConnectionError is not a full disk)
+            where = address or os.environ.get("RAY_ADDRESS") or "a Ray started here"
+            raise FedfeatError(
+                f"ray: cannot connect to {where} ({one_line(e)}); check --ray-address / RAY_ADDRESS "
+                "(ray status shows a running cluster's address)"
+            ) from None
     # here: the tasks share this host's cores, each reserves its share; elsewhere a task runs on what Ray gives it
     # (Ray sets OMP_NUM_THREADS to its CPUs, one by default, which the task's own decision respects)
     plan = decide(threads, jobs=len(chunks)) if here else _explicit(threads)
@@ -241,6 +248,102 @@ def _ray(ray, chunks, points, overwrite, stack, collect, address, threads) -> No
                 collect(c, error=e)
 
 
+SLURM_CLUSTERS = ("slurm", "local", "debug")  # submitit's executors (plugins may add more)
+RAY_CONNECT_TIMEOUT = 10.0  # seconds to wait for a TCP connection to --ray-address before giving up
+
+
+def check_slurm(minutes, cluster) -> None:
+    """``--slurm-time`` (minutes >= 1) and ``--slurm-cluster`` (one of submitit's executors, or None): else one
+    line naming the valid values."""
+    if isinstance(minutes, bool) or not isinstance(minutes, int) or minutes < 1:
+        raise FedfeatError(
+            f"--slurm-time must be a whole number of minutes >= 1 (each Slurm job's time limit), got {minutes!r}; "
+            "e.g. --slurm-time 60"
+        )
+    if cluster is None:
+        return
+    try:
+        from submitit.core import plugins
+
+        known = tuple(plugins.get_executors())
+    except Exception:  # noqa: BLE001 -- submitit missing or broken: its three built-in executors
+        known = SLURM_CLUSTERS
+    if cluster not in known:
+        raise FedfeatError(
+            f"unknown --slurm-cluster {cluster!r}; choose {', '.join(known)} (or leave it out: slurm where sbatch "
+            "exists, else local)"
+        )
+
+
+def check_devices(points: list) -> None:
+    """Every CUDA ``device`` of the grid exists on this machine (``fedfeat.engine.rounds.resolve_device``: one line
+    naming the device and the ones here); a value that is no device at all is the run specification's check."""
+    from fedfeat.engine.rounds import resolve_device
+    from fedfeat.runs.config import DEFAULTS
+
+    for device in dict.fromkeys(str(s.get("device") or DEFAULTS["device"]) for s, _ in points):
+        if device.startswith("cuda"):
+            resolve_device(device)
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """``host:port``, ``[v6]:port`` or ``ray://host[:port]`` (Ray Client, port 10001 by default) as (host, port);
+    None when it has none of these shapes."""
+    client = address.startswith("ray://")
+    rest = address[len("ray://") :] if client else address
+    rest = rest.split("/", 1)[0]
+    if rest.startswith("["):  # [v6]:port
+        host, _, port = rest[1:].partition("]")
+        port = port[1:] if port.startswith(":") else ""
+    else:
+        host, sep, port = rest.rpartition(":")
+        if not sep:
+            host, port = rest, ""
+    if not port and client:
+        port = "10001"
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host, int(port)
+
+
+def check_ray_address(address: str | None, timeout: float = RAY_CONNECT_TIMEOUT) -> None:
+    """A Ray cluster at ``address`` (``--ray-address``, else ``RAY_ADDRESS``) accepts a TCP connection within
+    ``timeout`` seconds: ``ray.init`` itself retries an address where nothing answers for many minutes (the GCS
+    client's reconnects), which looked like a hang. Nothing given, or ``local``: a Ray started here, nothing to
+    check; ``auto``: the cluster ``ray start`` made on this machine (none is one line)."""
+    import socket
+
+    flag = "--ray-address" if address is not None else "RAY_ADDRESS"
+    given = address if address is not None else os.environ.get("RAY_ADDRESS")
+    if not given or given == "local":
+        return
+    fix = "start Ray there (ray start --head) or leave --ray-address out to start Ray on this machine"
+    target = given
+    if given == "auto":
+        try:
+            from ray._private.services import canonicalize_bootstrap_address
+
+            target = canonicalize_bootstrap_address("auto")
+        except ConnectionError:
+            raise FedfeatError(f"{flag} auto: no Ray cluster is running on this machine; {fix}") from None
+        except Exception:  # noqa: BLE001 -- another Ray version's internals: ray.init decides
+            return
+        if not target:
+            return
+    hp = _host_port(target)
+    if hp is None:
+        raise FedfeatError(
+            f"{flag} {given!r} is not an address; give HOST:PORT (e.g. 10.0.0.5:6379), ray://HOST:PORT or auto"
+        )
+    try:
+        socket.create_connection(hp, timeout=timeout).close()
+    except OSError as e:
+        why = "nothing answered" if isinstance(e, TimeoutError) else (e.strerror or one_line(e))
+        raise FedfeatError(
+            f"{flag} {given}: no Ray cluster answers at {hp[0]}:{hp[1]} ({why}, waited up to {timeout:g} s); {fix}"
+        ) from None
+
+
 def _explicit(threads: int | None) -> Threads | None:
     """For jobs on other machines: ``--threads`` or the user's environment here (``FEDFEAT_THREADS``,
     ``OMP_NUM_THREADS``), else None (each job decides where it runs)."""
@@ -252,4 +355,4 @@ def _explicit(threads: int | None) -> Threads | None:
     return t
 
 
-__all__ = ["LAUNCHERS", "launch", "run_chunk"]
+__all__ = ["LAUNCHERS", "check_devices", "check_ray_address", "check_slurm", "launch", "run_chunk"]

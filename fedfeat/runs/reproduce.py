@@ -498,9 +498,14 @@ def setting(table: Table, rounds: int | None = None, seeds: int | None = None) -
     return out
 
 
-def list_tables(fmt: str = "markdown") -> str:
-    """``fedfeat reproduce --list``: every table's name, title, setting and rows (n/a rows with their reason)."""
+def list_tables(fmt: str = "markdown", name: str | None = None) -> str:
+    """``fedfeat reproduce --list [NAME]``: every table's (or table ``name``'s) name, title, setting and rows (n/a
+    rows with their reason). An unknown ``name`` is one line naming the known ones."""
     from fedfeat.report.tables import _table
+
+    if name is not None and name not in TABLES:
+        raise FedfeatError(f"unknown table {name!r}; known: {', '.join(TABLES)} (fedfeat reproduce --list)")
+    tables = [TABLES[name]] if name is not None else list(TABLES.values())
 
     if fmt == "json":
         import json
@@ -509,14 +514,14 @@ def list_tables(fmt: str = "markdown") -> str:
             [
                 {"name": t.name, "title": t.title, "setting": setting(t), "columns": [c.label for c in t.columns],
                  "rows": [{"label": r.label, "method": r.method, "why": r.why or None} for r in t.rows]}
-                for t in TABLES.values()
+                for t in tables
             ],
             indent=1,
         )  # fmt: skip
     rows = [
         [t.name, t.title, str(len(t.columns)), ", ".join(r.label + ("" if r.method else " (n/a)") for r in t.rows),
          setting(t).removeprefix("setting: ")]
-        for t in TABLES.values()
+        for t in tables
     ]  # fmt: skip
     return _table(["table", "title", "columns", "rows", "setting"], rows, fmt)
 

@@ -6,25 +6,18 @@ torch, the compiled CPU kernels, each store, each partition and each store's loa
 shared (``Session``), so a grid of short runs costs its rounds, not 3-4 s of start-up per run. Finished runs
 are skipped (a sweep can be re-run after an interruption and only does what is missing), unless ``overwrite``.
 
-A grid is the cartesian product of value lists over run settings (``method``, ``seed``, ``alpha``, ...) and
-method hyperparameters (``params``), times an optional list of *cells* -- settings that vary together, e.g.
-partitions with their own parameters::
+**After a kill** (SIGKILL, a lost machine, a job's time limit) the same command finishes the grid, as an
+uninterrupted one would have written it (``tests/test_sweep_resume.py``): a run the kill left unfinished
+(``OUT/.partial-NAME``) is resumed from its checkpoint (``fedfeat train --resume``'s checks; a run made alone
+checkpoints every 10 rounds, ``CHECKPOINT_EVERY``), started again when it has none (a stacked run's share, fewer
+than 10 rounds made), published when it had written its summary; the dead process's lock is taken over, a live
+one's is refused (that run fails, the others are made); an unfinished run of other settings under the name is
+refused, never replaced (``fedfeat.report.rundir.take_unfinished``). ``FEDFEAT_FAULT=sweep-next@K`` kills a sweep
+before its K-th run or stack (tests).
 
-    # grid.toml
-    [fixed]
-    store = "cache/synth-cifar10.zarr"
-    rounds = 10
-    [grid]
-    method = ["fedavg", "fst-cbdg"]
-    seed = [0, 1, 2, 3, 4]
-    [grid.params]
-    sigma = [0.5, 1.0]            # a method without this hyperparameter skips the key (named in the log)
-    [[cells]]
-    partition = "shard"
-    shards = 2
-    [[cells]]
-    partition = "dirichlet"
-    alpha = 0.1
+The grid -- value lists over run settings and hyperparameters, times *cells* of settings that vary together --
+is read, checked, bounded and expanded by ``fedfeat.runs.grid`` (its docstring has the file format); points that
+would share a run directory but are different runs are refused before anything runs (``same_runs``).
 
 **Stacking** (default; ``fedfeat sweep --no-stack`` turns it off): the pending runs of a stackable method
 (``Method.stacks``, ``fedfeat methods``: the linear heads and their baselines, FST-CBDG, CReFF / CLIP2FL, CCVR, FedDF,
@@ -40,313 +33,22 @@ are made one after another in the shared process (BENCHMARKS.md, "Stacked runs",
 from __future__ import annotations
 
 import contextlib
-import itertools
-import os
 from pathlib import Path
 from typing import NamedTuple
 
 from fedfeat.errors import FedfeatError
-from fedfeat.runs.session import active, session, signatures
-
-
-def _as_list(key: str, v) -> list:
-    if isinstance(v, list):
-        if not v:
-            raise FedfeatError(f"grid value list for {key} is empty; give at least one value")
-        return v
-    return [v]
-
-
-def expand(grid: dict | None = None, params: dict | None = None, cells: list[dict] | None = None,
-           fixed: dict | None = None, fixed_params: dict | None = None, *, log=None) -> list[tuple[dict, dict]]:  # fmt: skip
-    """The grid's points as ``(settings, params)`` pairs, in a deterministic order: cells outermost, then the
-    grid's keys in the order given, then its params.
-
-    ``cells`` is a list of tables (settings that vary together; a cell's ``params`` table adds hyperparameters), or
-    a dict of such lists (``[[cells.methods]]``, ``[[cells.partitions]]``), which are crossed. Every key and value
-    is type-checked first (``check_grid``): a wrong one is a one-line ``FedfeatError``.
-
-    A hyperparameter that a point's method lacks drops out of that point (``--method fedavg,fedprox --set
-    mu=0.01,0.1``: fedprox twice, fedavg once), said once per method in ``log``; points that become equal are kept
-    once, at the first one's place (``applicable_points``)."""
-    return applicable_points(_expand(grid, params, cells, fixed, fixed_params), log=log)
-
-
-def applicable_points(points: list[tuple[dict, dict]], log=None) -> list[tuple[dict, dict]]:
-    """Each point with only the hyperparameters its method has (``_applicable``), points that thereby become
-    equal kept once (the first); each (method, dropped keys) said once in ``log``."""
-    from fedfeat.runs.config import DEFAULTS
-
-    said: set = set()
-
-    def once(msg: str) -> None:
-        if log is not None and msg not in said:
-            said.add(msg)
-            log(msg)
-
-    out, seen = [], set()
-    for settings, params in points:
-        ps = _applicable(settings.get("method", DEFAULTS["method"]), params, once)
-        key = (repr(sorted(settings.items())), repr(sorted(ps.items())))
-        if key not in seen:
-            seen.add(key)
-            out.append((settings, ps))
-    return out
-
-
-def _expand(grid, params, cells, fixed, fixed_params) -> list[tuple[dict, dict]]:
-    check_grid(grid, params, cells, fixed, fixed_params, where="sweep grid")
-    grid, params = dict(grid or {}), dict(params or {})
-    axes = list(cells.values()) if isinstance(cells, dict) else [cells or [{}]]
-    combos = []
-    for parts in itertools.product(*axes):
-        merged: dict = {}
-        for cell in parts:
-            if not isinstance(cell, dict):
-                raise FedfeatError(
-                    'each [[cells]] entry must be a table of settings, e.g. partition = "shard"'
-                )
-            cp = {**merged.get("params", {}), **cell.get("params", {})}
-            merged = {**merged, **cell, "params": cp}
-        combos.append(merged)
-    keys, pkeys = list(grid), list(params)
-    out = []
-    for cell in combos:
-        cell = dict(cell)
-        cell_params = cell.pop("params", {})
-        for vals in itertools.product(*(_as_list(k, grid[k]) for k in keys)):
-            for pvals in itertools.product(*(_as_list(k, params[k]) for k in pkeys)):
-                settings = {**(fixed or {}), **cell, **dict(zip(keys, vals))}
-                out.append((settings, {**(fixed_params or {}), **cell_params, **dict(zip(pkeys, pvals))}))
-    return out
-
-
-def parse_values(key: str, text: str, typ=str) -> list:
-    """``"0,1,2"`` or a range ``"0-4"`` (integers only) -> typed values; a one-line error names a bad one."""
-    text = text.strip()
-    flag = "--" + key.replace("_", "-")  # the option as typed
-    if typ is int and "-" in text and "," not in text and not text.startswith("-"):
-        a, _, b = text.partition("-")
-        try:
-            lo, hi = int(a), int(b)
-        except ValueError:
-            raise FedfeatError(f"{flag} {text!r}: a range is two integers, e.g. 0-4") from None
-        if hi < lo:
-            raise FedfeatError(f"{flag} {text!r}: the range is empty (write low-high, e.g. 0-4)")
-        return list(range(lo, hi + 1))
-    out = []
-    for v in (x.strip() for x in text.split(",")):
-        if not v:
-            raise FedfeatError(f"{flag} {text!r} has an empty value; separate values with single commas")
-        try:
-            out.append(typ(v))
-        except ValueError:
-            raise FedfeatError(f"{flag}: {v!r} is not a {typ.__name__}") from None
-    return out
-
-
-_GRID_EXAMPLE = (
-    "pass a grid TOML file: [fixed] settings, [grid] value lists, [[cells]] tables (fedfeat/runs/sweep.py)"
+from fedfeat.runs.grid import (  # the grid: read, checked, bounded, expanded (re-exported: fedfeat.runs.sweep.*)
+    MAX_DEPTH,
+    MAX_POINTS,
+    applicable_points,
+    check_grid,
+    configs,
+    count_points,
+    expand,
+    parse_values,
+    read_grid,
 )
-TABLES = ("fixed", "grid", "cells")
-
-
-def read_grid(path: str | os.PathLike) -> dict:
-    """A grid TOML file (module docstring) -> ``expand``'s keyword arguments. Every table, key and value is
-    type-checked (``check_grid``): a wrong one is one line naming the file, the table, the key and the type."""
-    from fedfeat.runs.config import read_toml, short, toml_kind
-
-    p = Path(path)
-    where = f"grid file {p}"
-    data = read_toml(p, "grid file", _GRID_EXAMPLE)
-    unknown = set(data) - set(TABLES)
-    if unknown:
-        raise FedfeatError(f"{where}: unknown tables {sorted(unknown)}; use [fixed], [grid], [[cells]]")
-    for t in ("fixed", "grid"):
-        if not isinstance(data.get(t, {}), dict):
-            v = data[t]
-            raise FedfeatError(
-                f"{where}: {t} = {short(v)} is {toml_kind(v)}, but [{t}] is a table of settings "
-                f"(e.g. [{t}] then {'seed = [0, 1]' if t == 'grid' else 'rounds = 10'})"
-            )
-    fixed, grid = dict(data.get("fixed", {})), dict(data.get("grid", {}))
-    for t, tbl in (("fixed", fixed), ("grid", grid)):
-        if not isinstance(tbl.get("params", {}), dict):
-            v = tbl["params"]
-            raise FedfeatError(
-                f"{where} [{t}]: params = {short(v)} is {toml_kind(v)}, but [{t}.params] is a table of "
-                "hyperparameters (e.g. [{t}.params] then lr = 0.01)".replace("{t}", t)
-            )
-    kw = {
-        "grid": {k: v for k, v in grid.items() if k != "params"},
-        "params": grid.get("params", {}),
-        "cells": data.get("cells"),
-        "fixed": {k: v for k, v in fixed.items() if k != "params"},
-        "fixed_params": fixed.get("params", {}),
-    }
-    check_grid(**kw, where=where)
-    return kw
-
-
-def _settings(tbl: dict, where: str, axis: bool) -> None:
-    """Run settings: known keys, each value of its type (``axis``: a value or a non-empty list of values)."""
-    from fedfeat.runs.config import DEFAULTS, TYPES, check_setting, key_text, short
-    from fedfeat.spec import SWEEP_FIXED, SWEEPABLE
-
-    for k, v in tbl.items():
-        if k not in DEFAULTS:
-            raise FedfeatError(
-                f"{where}: unknown key {key_text(k)}; valid: {', '.join(sorted(DEFAULTS))} (and a params table)"
-            )
-        if k not in SWEEPABLE and not (k in SWEEP_FIXED and not axis):
-            if k in SWEEP_FIXED:
-                raise FedfeatError(
-                    f"{where}: {key_text(k)} takes one value for the whole sweep; put it in [fixed]"
-                )
-            raise FedfeatError(
-                f"{where}: {key_text(k)} is the sweep's to set (each run's name, a replayed store's fingerprint); "
-                "drop it"
-            )
-        typ = TYPES.get(k, str)
-        if axis and isinstance(v, str) and typ is not str:
-            try:
-                vals = parse_values(k, v, typ)
-            except FedfeatError:
-                vals = None
-            eg = short(vals, 60) if vals else "[1, 2]" if typ is int else "[0.1, 0.5]"
-            raise FedfeatError(
-                f"{where}: {k} = {short(v)} is a string, but {k} takes a list of "
-                f"{'integers' if typ is int else 'numbers'} (e.g. {k} = {eg})"
-            )
-        if isinstance(v, list) and axis:
-            if not v:
-                raise FedfeatError(f"{where}: {k} = [] is empty; give at least one value (e.g. {k} = [...])")
-            for i, x in enumerate(v):
-                check_setting(k, x, where, shown=f"{k}[{i}]")
-        elif isinstance(v, list) and v and not all(isinstance(x, dict) for x in v):
-            raise FedfeatError(
-                f"{where}: {k} = {short(v)} is an array, but {k} takes one value here; a list of values to "
-                "sweep belongs in [grid]"
-            )
-        else:
-            check_setting(k, v, where)
-
-
-def _params(tbl, where: str, axis: bool, methods, label: str = "params") -> None:
-    """Hyperparameters: a table of scalars (``axis``: or non-empty lists of scalars), typed as each of
-    ``methods`` that has the key wants."""
-    from fedfeat.runs.config import check_method_params, check_param_value, key_text, short, toml_kind
-
-    if not isinstance(tbl, dict):
-        raise FedfeatError(
-            f"{where}: params = {short(tbl)} is {toml_kind(tbl)}, but params is a table of hyperparameters "
-            "(e.g. params = { lr = 0.01 })"
-        )
-    for k, v in tbl.items():
-        if not isinstance(k, str) or not k:
-            raise FedfeatError(f"{where}: params has an empty key; name each hyperparameter")
-        vals = v if axis and isinstance(v, list) else [v]
-        if not vals:
-            raise FedfeatError(f"{where}: params {key_text(k)} = [] is empty; give at least one value")
-        for x in vals:
-            check_param_value(k, x, f"{where} {label}".strip())
-            check_method_params(methods, {k: x}, f"{where} {label}".strip())
-
-
-def check_grid(grid=None, params=None, cells=None, fixed=None, fixed_params=None, *, where: str) -> None:
-    """``expand``'s arguments, checked: tables where tables belong, known setting names with values of their
-    types (``[grid]``: a value or a non-empty list), hyperparameters as scalars of the types their methods want,
-    ``cells`` a non-empty list of tables or a table of such lists. One line naming ``where``, the table, the key
-    and the type expected."""
-    from fedfeat.runs.config import DEFAULTS, key_text, short, toml_kind
-
-    def table(v, name: str) -> dict:
-        if v is None:
-            return {}
-        if not isinstance(v, dict):
-            raise FedfeatError(f"{where}: {name} = {short(v)} is {toml_kind(v)}, but {name} is a table")
-        return v
-
-    grid, params = table(grid, "[grid]"), table(params, "[grid.params]")
-    fixed, fixed_params = table(fixed, "[fixed]"), table(fixed_params, "[fixed.params]")
-    _settings(fixed, f"{where} [fixed]", axis=False)
-    _settings(grid, f"{where} [grid]", axis=True)
-
-    axes: list[tuple[str, list]] = []
-    if isinstance(cells, dict):
-        if not cells:
-            raise FedfeatError(f"{where}: [cells] is an empty table; give [[cells.NAME]] tables or drop it")
-        for name, v in cells.items():
-            name = key_text(name)
-            if not isinstance(v, list):
-                raise FedfeatError(
-                    f"{where}: cells.{name} = {short(v)} is {toml_kind(v)}, but cells.{name} takes an array of "
-                    f"tables ([[cells.{name}]] entries)"
-                )
-            axes.append((f"[[cells.{name}]]", v))
-    elif cells is not None:
-        if not isinstance(cells, list):
-            raise FedfeatError(
-                f"{where}: cells = {short(cells)} is {toml_kind(cells)}, but cells takes an array of tables "
-                '([[cells]] entries, e.g. [[cells]] then partition = "shard")'
-            )
-        axes.append(("[[cells]]", cells))
-    cell_methods = []
-    for name, entries in axes:
-        if not entries:
-            raise FedfeatError(f"{where}: {name} has no entries; give at least one table or drop it")
-        for i, cell in enumerate(entries):
-            if not isinstance(cell, dict):
-                raise FedfeatError(
-                    f"{where}: {name} entry {i + 1} = {short(cell)} is {toml_kind(cell)}, but each entry is a "
-                    'table of settings (e.g. partition = "shard")'
-                )
-            _settings(
-                {k: v for k, v in cell.items() if k != "params"}, f"{where} {name} entry {i + 1}", False
-            )
-            cell_methods.append(cell.get("method"))
-
-    def listed(v) -> list:
-        return v if isinstance(v, list) else [v]
-
-    methods = [*listed(grid.get("method", [])), *([fixed["method"]] if "method" in fixed else [])]
-    methods = list(dict.fromkeys([*methods, *(m for m in cell_methods if m is not None)]))
-    methods = methods or [DEFAULTS["method"]]
-    _params(params, f"{where} [grid.params]", True, methods, label="")
-    _params(fixed_params, f"{where} [fixed.params]", False, methods, label="")
-    for name, entries in axes:
-        for i, cell in enumerate(entries):
-            if "params" in cell:
-                own = [cell["method"]] if "method" in cell else methods
-                _params(cell["params"], f"{where} {name} entry {i + 1}", False, own)
-
-
-def _applicable(method: str, params: dict, log) -> dict:
-    """The params that ``method`` has (a grid over one method's hyperparameter leaves the others alone)."""
-    import dataclasses
-
-    from fedfeat.methods import REGISTRY
-
-    cls = REGISTRY.get(method)
-    if cls is None:
-        return params  # get_method names the unknown method
-    names = {f.name for f in dataclasses.fields(cls.Params)}
-    dropped = sorted(k for k in params if k.replace("-", "_") not in names)
-    if dropped:
-        log(f"{method}: no hyperparameter {', '.join(dropped)}; those grid keys are skipped for it")
-    return {k: v for k, v in params.items() if k.replace("-", "_") in names}
-
-
-def configs(points: list[tuple[dict, dict]], log=None) -> list:
-    """The points' resolved ``RunConfig``s (each with only the hyperparameters its method has), as ``run_sweep``
-    runs them."""
-    from fedfeat.runs.config import DEFAULTS, resolve_config
-
-    out = []
-    for settings, params in points:
-        ps = _applicable(settings.get("method", DEFAULTS["method"]), params, log or (lambda *a: None))
-        out.append(resolve_config(settings, None, [f"{k}={v}" for k, v in ps.items()]))
-    return out
+from fedfeat.runs.session import active, session, signatures
 
 
 def plan(points: list[tuple[dict, dict]]) -> None:
@@ -361,6 +63,65 @@ def plan(points: list[tuple[dict, dict]]) -> None:
 
 # runs per stacked program (memory: R x the virtual clients' heads, FST-CBDG's soft labels, banks)
 STACK_MAX = 16
+
+
+def _differ(a, b, most: int = 3) -> str:
+    """The settings in which two resolved configs differ, e.g. ``seed 0 / 1``."""
+    import dataclasses
+
+    keys = [
+        f.name for f in dataclasses.fields(a) if f.name != "name" and getattr(a, f.name) != getattr(b, f.name)
+    ]
+    text = ", ".join(f"{k} {getattr(a, k)!r} / {getattr(b, k)!r}" for k in keys[:most])
+    return text + (f" and {len(keys) - most} more" if len(keys) > most else "")
+
+
+def same_runs(cfgs: list, names: list[Path]) -> dict[int, int]:
+    """Points that are one run -> the first one's index: the same run directory, and settings that differ only in
+    what the run ignores (``zeroshot`` over partitions: it draws none), made once. Before anything runs, one line
+    for two points that would be one run directory but are different runs (a ``name`` given to points of several
+    seeds: the second would be skipped as the first), naming both and the fix, and for an exact duplicate."""
+    import dataclasses
+
+    from fedfeat.runs.train import run_name
+
+    seen: dict[Path, int] = {}
+    same: dict[int, int] = {}
+    for i, path in enumerate(names):
+        j = seen.setdefault(path, i)
+        if j == i:
+            continue
+        a, b = cfgs[j], cfgs[i]
+        if a == b:
+            raise FedfeatError(
+                f"grid points {j + 1} and {i + 1} are the same run ({path.name}); remove the duplicate"
+            )
+        if (a.name is None and b.name is None) or run_name(dataclasses.replace(a, name=None)) == run_name(
+            dataclasses.replace(b, name=None)
+        ):
+            same[i] = j  # one run (the name stands for the same settings)
+            continue
+        raise FedfeatError(
+            f"grid points {j + 1} and {i + 1} are different runs ({_differ(a, b)}) with one run name, {path.name}; "
+            "drop name from the points (each run's default name stands for its settings) or give each point a "
+            "name of its own"
+        )
+    return same
+
+
+def _unfinished(path: Path) -> str:
+    """What a sweep run again finds of a killed run at ``path`` (``OUT/NAME``): its ``.partial-NAME`` and what
+    will be done with it (``fedfeat.report.rundir.take_unfinished`` decides under the run's lock)."""
+    from fedfeat.report import rundir
+
+    part = path.parent / f"{rundir.PARTIAL}{path.name}"
+    if not part.is_dir() or part.is_symlink():
+        return ""
+    if (part / "summary.json").is_file():
+        return ": finished before an interruption, published"
+    if (part / rundir.CHECKPOINT).is_file():
+        return ": interrupted, resumed from its checkpoint"
+    return ": interrupted before a checkpoint, started again"
 
 
 class Failure(NamedTuple):
@@ -460,6 +221,7 @@ def run_sweep(
     A run that fails does not stop the others. With a ``failures`` list, each failure is appended to it as a
     ``Failure`` and its place in the result is None; without one, ``SweepFailed`` (a ``FedfeatError`` naming the
     first) is raised once every other run is written. ``display`` (a ``Display``) is advanced per run."""
+    from fedfeat.report import rundir
     from fedfeat.runs.threads import refresh as refresh_threads
     from fedfeat.runs.train import run_name, stack_group, train_stacked
     from fedfeat.runs.train import train as run_train
@@ -483,17 +245,8 @@ def run_sweep(
         for c in cfgs:  # run directories are local: a URL --out is refused before any store is opened
             local_path(c.out, "--out", "a local directory for run directories")
         names = [run_name(c) for c in cfgs]
+        same = same_runs(cfgs, names)  # points whose settings differ only in what the run ignores: made once
         display.start()
-        seen: dict[Path, int] = {}
-        same: dict[int, int] = {}  # points whose settings differ only in what the run ignores: made once
-        for i, path in enumerate(names):
-            if path in seen and cfgs[i] != cfgs[seen[path]]:  # zeroshot over partitions (it draws none)
-                same[i] = seen[path]
-            elif path in seen:
-                raise FedfeatError(
-                    f"grid points {seen[path] + 1} and {i + 1} are the same run ({path.name}); remove the duplicate"
-                )
-            seen[path] = i
         done: dict[int, Path] = {}
         pending = []
         for i, path in enumerate(names):
@@ -512,8 +265,10 @@ def run_sweep(
             else:
                 pending.append(i)
         groups: dict = {}
+        # a run a kill left with a checkpoint is resumed from it, alone (a stack starts from round 0)
+        resumable = {i for i in pending if not overwrite and _unfinished(names[i]).endswith("checkpoint")}
         for i in pending:
-            g = stack_group(cfgs[i]) if stack else None
+            g = stack_group(cfgs[i]) if stack and i not in resumable else None
             groups.setdefault(("one", i) if g is None else g, []).append(i)
         # runs that read the same data run one after another (stable: each cell's groups at its first group's
         # place), so a cell's data is dropped before the next is loaded; every run's result is its own (the order
@@ -542,13 +297,14 @@ def run_sweep(
             for c0 in range(0, len(members), STACK_MAX):
                 chunk = members[c0 : c0 + STACK_MAX]
                 refresh_threads()  # the thread policy again (every 10 s at most): other jobs may have started
+                rundir.fault_point("sweep-next")  # tests: a kill between runs (FEDFEAT_FAULT=sweep-next@K)
                 if len(chunk) == 1:
                     i = chunk[0]
-                    log(f"[{i + 1}/{len(cfgs)}] {names[i].name}")
-                    try:
-                        done[i] = run_train(
-                            cfgs[i], overwrite=overwrite, progress=progress, log=lambda *a: None
-                        )
+                    what = "" if overwrite else _unfinished(names[i])
+                    log(f"[{i + 1}/{len(cfgs)}] {names[i].name}{what}")
+                    try:  # a run a kill left unfinished: resumed from its checkpoint, else started again
+                        done[i] = run_train(cfgs[i], overwrite=overwrite, progress=progress, log=lambda *a: None,
+                                            unfinished="finish")  # fmt: skip
                     except Exception as e:  # noqa: BLE001 -- recorded, reported at the end; Ctrl-C still stops
                         fail(i, e)
                         continue
@@ -560,7 +316,8 @@ def run_sweep(
                     f"[{', '.join(str(i + 1) for i in chunk)}/{len(cfgs)}] {len(chunk)} runs stacked in one program"
                 )
                 try:
-                    res = train_stacked([cfgs[i] for i in chunk], overwrite=overwrite, log=lambda *a: None)
+                    res = train_stacked([cfgs[i] for i in chunk], overwrite=overwrite, log=lambda *a: None,
+                                        unfinished="finish")  # fmt: skip
                 except Exception as e:  # noqa: BLE001 -- the whole stack failed: each of its runs is recorded
                     res = [e] * len(chunk)
                 finally:
@@ -582,15 +339,20 @@ def run_sweep(
 
 
 __all__ = [
+    "MAX_DEPTH",
+    "MAX_POINTS",
     "Display",
     "Failure",
     "SweepFailed",
     "applicable_points",
     "check_grid",
+    "configs",
+    "count_points",
     "expand",
     "failure_lines",
     "parse_values",
     "plan",
     "read_grid",
     "run_sweep",
+    "same_runs",
 ]

@@ -10,7 +10,8 @@ A run directory (``runs/<name>/``) holds:
   round's confusion matrix (``write_results``; read with ``fedfeat.report.load.load_results``);
 * ``summary.json``  final and best accuracy, totals, the environment; written last;
 * ``curve.png``     test accuracy vs round;
-* ``weights.safetensors``  the final global parameters (safetensors: loading it cannot execute code);
+* ``weights.safetensors``  the final global parameters (safetensors: loading it cannot execute code); its sha256
+  is ``summary.json``'s ``weights_sha256``, checked wherever it is read (``fedfeat.runs.run.read_weights``);
 * ``{dataset}_{pretrained}_{model}_en_zeroshot_classification.json``  (``zeroshot`` runs) the result in
   CLIP_benchmark's schema (``fedfeat.report.clipbench``), from the logits of the method's ``benchmark_logits`` hook.
 
@@ -130,6 +131,7 @@ def train(
     progress: bool = True,
     log=print,
     callbacks=None,
+    unfinished: str = "refuse",
     _device=None,
     _stacked: StackShare | None = None,
 ) -> Path:
@@ -140,7 +142,11 @@ def train(
     uninterrupted run.
 
     ``callbacks``: objects called as the run goes (``fedfeat.runs.callbacks``: start, each round, end, failure),
-    with the ones active around the call (``callbacks.use``)."""
+    with the ones active around the call (``callbacks.use``).
+
+    ``unfinished``: what to do with an unfinished run of this name (``OUT/.partial-NAME``, left by a kill) when not
+    ``resume`` / ``overwrite``: ``"refuse"`` (``fedfeat train``: one line naming ``--resume`` and ``--overwrite``) or
+    ``"finish"`` (sweeps: go on from it when it is this run's, ``fedfeat.report.rundir.take_unfinished``)."""
     from fedfeat.engine import checkpoint
     from fedfeat.methods import get_method
     from fedfeat.runs import callbacks as _callbacks
@@ -157,6 +163,8 @@ def train(
             )
         cfg = resolve_config({}, rd.partial / "config.toml", None)
         cfg.out, cfg.name = str(out), name
+    if unfinished not in ("refuse", "finish"):
+        raise FedfeatError(f"unfinished must be 'refuse' or 'finish', got {unfinished!r}")
     if checkpoint_every is None:
         checkpoint_every = CHECKPOINT_EVERY
     if checkpoint_every < 0:
@@ -184,7 +192,7 @@ def train(
         with rundir.interrupt_latch(), rundir.sigterm_as_exception(), _callbacks.use(callbacks):
             return _train_locked(
                 cfg, method, method_params, device, kernel, store, key, part, stored, rd,
-                resume is not None, overwrite, checkpoint_every, progress, log, checkpoint, _stacked,
+                resume is not None, overwrite, checkpoint_every, progress, log, checkpoint, _stacked, unfinished,
             )  # fmt: skip
     except (
         OSError
@@ -241,7 +249,7 @@ def _train_sharded(cfg, method, resume, overwrite, checkpoint_every, save_partit
 
 def _train_locked(
     cfg, method, method_params, device, kernel, store, key, part, stored, rd, resuming, overwrite,
-    checkpoint_every, progress, log, checkpoint, stacked=None,
+    checkpoint_every, progress, log, checkpoint, stacked=None, unfinished="refuse",
 ):  # fmt: skip
 
     from fedfeat.engine.rounds import run_federated
@@ -256,7 +264,11 @@ def _train_locked(
                 f"run directory {rd.final} exists; pass --overwrite to replace it (atomically: the old run stays "
                 "until the new one is complete) or --name for another name"
             )
-        if rd.partial.exists():
+        if rd.partial.exists() and unfinished == "finish" and not overwrite:  # a sweep run again after a kill
+            resuming = rundir.take_unfinished(
+                rd, config_toml(cfg, method_params), resumable=stacked is None, log=log
+            )
+        elif rd.partial.exists():
             if not overwrite:
                 try:
                     at = checkpoint.read_meta(ckpt)["round"] if os.path.lexists(ckpt) else "none"
@@ -369,7 +381,7 @@ def _train_locked(
         wall = time.perf_counter() - t0 - compiled[0] if stacked is None else stacked.seconds
         metrics = read_metrics(mfile.path)
         confusion = stacked.confusion if stacked is not None else (last_pred or {}).get("confusion")
-        trained = write_outputs(rd.partial, cfg, method, key, glob, metrics, confusion)
+        trained = write_outputs(rd.partial, cfg, method, key, glob, metrics, confusion)  # the weights' sha256
         summary = _summary(cfg, method, method_params, kernel, device, key, rd.name, metrics, wall, store)
         summary["diverged"] = watch.final(metrics)  # {"round", "reason"} or None (healthy)
         summary.update(memory_figures(device))  # peak_rss_bytes, rss_bytes_at_end, peak_device_bytes (CUDA)
@@ -381,6 +393,8 @@ def _train_locked(
             summary["weights"] = (
                 f"none written: {cfg.method} trains nothing (its head is the store's class text features)"
             )
+        else:  # checked wherever the weights are read (fedfeat.runs.run.read_weights)
+            summary["weights_sha256"] = trained
         bench = method.benchmark_logits  # zeroshot: its result in CLIP_benchmark's JSON
         if bench is not None:
             logits, y, dataset = bench(data=data, glob=glob, store=store)
@@ -435,7 +449,9 @@ def stack_group(cfg: RunConfig) -> tuple | None:
     return stack_key(method, spec.stack_key(cfg))
 
 
-def train_stacked(cfgs: list[RunConfig], *, overwrite: bool = False, log=print) -> list:
+def train_stacked(
+    cfgs: list[RunConfig], *, overwrite: bool = False, log=print, unfinished: str = "refuse"
+) -> list:
     """Make runs of one ``stack_group`` as one program (``fedfeat.runs.stack.run_stacked``) and write each as an
     ordinary run directory. Returns per run its directory, or the ``FedfeatError`` that stopped it."""
     from fedfeat.methods import get_method
@@ -465,7 +481,14 @@ def train_stacked(cfgs: list[RunConfig], *, overwrite: bool = False, log=print) 
             out.append(r)
             continue
         stacked = StackShare(r[0], r[1], share, len(cfgs), box.get("confusion"))
-        out.append(train(c, overwrite=overwrite, progress=False, log=log, _stacked=stacked))
+        try:  # one run that cannot be written (its name locked by a live writer, ...) is that run's failure
+            out.append(
+                train(
+                    c, overwrite=overwrite, progress=False, log=log, unfinished=unfinished, _stacked=stacked
+                )
+            )
+        except FedfeatError as e:
+            out.append(e)
     return out
 
 

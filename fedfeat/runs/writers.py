@@ -249,7 +249,7 @@ def _summary(cfg, method, method_params, kernel, device, key, name, metrics, wal
             "machine": platform.machine(),
             "threads": current_threads(),  # torch's CPU threads and why (fedfeat.runs.threads)
         },
-        "provenance": provenance(),
+        "provenance": provenance(method),  # a plugin method: its module, package and version
     }
 
 
@@ -420,16 +420,20 @@ class Rows:
 
 def write_outputs(
     rd_dir: Path, cfg: RunConfig, method, key: str, glob: dict, metrics: list[dict], confusion
-) -> bool:
+) -> str | None:
     """What a finished run leaves besides its summary: ``weights.safetensors`` (a method that trains), ``curve.png``
-    and ``results.npz``. Returns whether weights were written."""
+    and ``results.npz``. Returns the sha256 of the weights file as written (``summary.json``'s ``weights_sha256``,
+    checked wherever the weights are read: ``fedfeat.runs.run.read_weights``), None when none were written."""
     from safetensors.torch import save_file
 
     from fedfeat.report.plots import plot_curves, run_title
+    from fedfeat.runs.run import WEIGHTS, weights_digest
 
     trained = method.federated or method.centralized  # zeroshot: its head is the store's text features
+    digest = None
     if trained:
-        save_file({k: v.detach().cpu().contiguous() for k, v in glob.items()}, rd_dir / "weights.safetensors")
+        save_file({k: v.detach().cpu().contiguous() for k, v in glob.items()}, rd_dir / WEIGHTS)
+        digest = weights_digest(rd_dir / WEIGHTS)  # the bytes as they are on disk: what a reader hashes
     ev_rows = [r for r in metrics if r["test_acc"] is not None]
     plot_curves(
         {cfg.method: ([r["round"] for r in ev_rows], [r["test_acc"] for r in ev_rows])},
@@ -437,4 +441,4 @@ def write_outputs(
         title=run_title(cfg.method, dataclasses.asdict(method.p), cfg.store, key, cfg.seed),  # in words
     )
     write_results(rd_dir, metrics, confusion)
-    return trained
+    return digest

@@ -39,7 +39,9 @@ def _device(v, s):
     d = str(v)
     if d in ("auto", "cpu", "cuda") or (d.startswith("cuda:") and d[5:].isdigit()):
         return None
-    return f"must be auto, cpu, cuda or cuda:N, got {v!r}"
+    from fedfeat.encoders.openclip import devices_here
+
+    return f"must be auto, cpu, cuda or cuda:N, got {v!r} (this machine has {devices_here()})"
 
 
 def _schemes():

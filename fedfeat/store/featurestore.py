@@ -90,6 +90,7 @@ import zarr
 from zarr.codecs import ZstdCodec
 
 from fedfeat.errors import FedfeatError
+from fedfeat.store import quiet_exit
 from fedfeat.store.checks import AttrCheck as _AttrCheck
 from fedfeat.store.checksums import DONE_BIT, crc, first_nonfinite_row  # noqa: F401  (re-exported)
 from fedfeat.store.format import FORMAT_VERSION, fingerprint_hash  # noqa: F401  (re-exported)
@@ -113,6 +114,8 @@ from fedfeat.store.urls import (
     url_filesystem,
 )
 from fedfeat.store.writing import MIN_CHUNK_BYTES, StoreWriting, default_chunk_rows  # noqa: F401  (re-exported)
+
+quiet_exit.install()  # a Ctrl-C during a read ends without zarr's asyncio noise (fedfeat.store.quiet_exit)
 
 REQUIRED_ATTRS = (
     "format_version",
