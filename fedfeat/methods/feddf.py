@@ -7,7 +7,9 @@ One round (paper Algorithm 1; server step ported from epfml/federated-learning-p
 
 1. Local training as FedAvg's (CE), with CLIP2FL's Table 1 protocol (10 epochs, batch 32, SGD 0.1, no momentum or
    weight decay: ``fedfeat.methods.synthesis.CReFFParams``' values), so the baseline runs in the table's setting.
-2. The student starts as the sample-weighted FedAvg head (``nkt.py``: ``use_fedavg_as_start``).
+2. The student starts as the *uniform* average of the round's client heads (``nkt.py``: ``use_fedavg_as_start``,
+   whose FedAvg model is ``pcode/aggregation/fedavg.py:11-14`` ``_fedavg``: weights ``1.0 / n_selected_clients``);
+   ``student_init=weighted`` starts from the sample-weighted FedAvg head (fedfeat's default before issue 37).
 3. The teacher: the ensemble of the round's client heads, ``softmax(mean_i z_i / T)`` -- the average of the
    clients' logits (paper Algorithm 1, "AvgLogits"; the README's command line ``update_student_scheme=avg_logits``).
    The code's class default ``avg_losses`` (the mean of the per-teacher KL terms, whose gradient is that of the KL
@@ -15,7 +17,8 @@ One round (paper Algorithm 1; server step ported from epfml/federated-learning-p
    the logits is the logit of the mean head (uniform weights, ``nkt.py`` ``weights = 1 / n``); it is computed so.
 4. Distillation (``nkt.py`` ``NoiseKTSolver``): ``KL(teacher || softmax(z / T))`` (``batchmean``), T = 1, Adam
    lr 1e-3 with cosine annealing over the step budget (stepped per batch), gradients clipped to norm 5, batches of
-   128 from shuffled passes over the server set, at most 10,000 steps; every 100 steps the student's accuracy on a
+   64 from shuffled passes over the server set (the real-data loader's ``--batch_size``, README.md:84 and
+   ``create_aggregator.py:224-231``; the 128 at ``nkt.py:107`` sizes only noise batches), at most 10,000 steps; every 100 steps the student's accuracy on a
    labelled validation split is measured and the run stops when the best is 1,000 steps old; the best-validated
    student is the new global head (``check_early_stopping``, ``best_models[0]``).
 
@@ -28,8 +31,9 @@ validation split (``val_data``, ``val_size``) is labelled -- the only labels Fed
 rows out when both come from the same source.
 
 **What this means for a linear head.** The logits are linear in the head, so the ``avg_logits`` teacher is the
-*uniform* mean head; with equal client sizes (CLIP2FL's ``dirichlet-equal`` clients differ by at most one sample) it
-is the FedAvg student itself: the KL starts at ~0, and what moves the student is Adam turning rounding-level
+*uniform* mean head: the student itself (``student_init=uniform``, the code's), at any client sizes (with
+``student_init=weighted`` only at equal sizes; CLIP2FL's ``dirichlet-equal`` clients differ by at most one
+sample): the KL starts at ~0, and what moves the student is Adam turning rounding-level
 gradients into lr-sized steps (``tests/test_baselines_server.py``), among which the validation split picks. FedDF
 on cached features is then FedAvg up to that noise; ``ensemble=avg_losses`` / ``avg_probs`` (means of softmaxes)
 give a teacher that differs from the student.
@@ -80,8 +84,13 @@ class FedDFParams(LinearHeadParams):
     ensemble: Literal["avg_logits", "avg_losses", "avg_probs"] = "avg_logits"
     temperature: float = 1.0  # nkt.py KL_temperature=1 (README sets none)
     distill_steps: int = 10000  # nkt.py total_n_server_pseudo_batches=1000 * 10 (README: 10000)
-    distill_batch: int = 128  # nkt.py batch_size=128
+    # issue 37: the server's real-data loader uses --batch_size 64 (FedDF README.md:84; create_aggregator.py:224-231);
+    # nkt.py:107's batch_size=128 sizes only the noise batches (fedfeat's 128 before issue 37)
+    distill_batch: int = 64
     distill_lr: float = 1e-3  # nkt.py student_learning_rate=1e-3 (Adam)
+    # issue 37: the student starts from the uniform mean of the client heads (pcode/aggregation/fedavg.py:11-14,
+    # weights 1 / n_selected_clients); weighted = by client size (fedfeat's default before issue 37)
+    student_init: Literal["uniform", "weighted"] = "uniform"
     lr_schedule: Literal["cosine", "constant"] = "cosine"  # nkt.py CosineAnnealingLR(T_max=total batches)
     clip_norm: float = 5.0  # nkt.py clip_grad_norm_(..., 5); 0 = none
     early_stopping: Literal["val", "none"] = "val"  # nkt.py check_early_stopping on the validation split
@@ -161,7 +170,13 @@ class FedDF(LinearHead):
 
     def aggregate(self, ctx: Context, plan: RoundPlan, glob: dict, cparams: dict) -> dict:
         p = self.p
-        avg = fedavg(cparams, plan.sizes.to(ctx.device))  # the student's start (nkt.py use_fedavg_as_start)
+        # the student's start (nkt.py use_fedavg_as_start): uniform as fedavg.py:11-14, or by size (student_init)
+        w = (
+            plan.sizes.to(ctx.device)
+            if p.student_init == "weighted"
+            else torch.ones_like(plan.sizes, device=ctx.device)
+        )
+        avg = fedavg(cparams, w)
         sets = self.sets(ctx)
         x = sets["x"].x
         with torch.no_grad():
@@ -182,7 +197,8 @@ class FedDF(LinearHead):
         return {"W": W, "b": b}
 
     def round_metrics(self, ctx: Context, data, glob: dict, ev: dict) -> dict:
-        """The FedAvg head's accuracy (before distillation) and the distillation's figures."""
+        """The accuracy of the student's start (``fedavg_head_acc``: the averaged head before distillation, uniform
+        or weighted as ``student_init`` says) and the distillation's figures."""
         return server_step_metrics(ctx, data)
 
 

@@ -7,6 +7,8 @@ client's cumulative update by its local normalising vector before averaging (ref
 
     x_new = x - tau_eff * sum_i p_i * (x - x_i) / a_i,        p_i = n_i / sum_j n_j,   tau_eff = sum_i p_i a_i
 
+(``tau_eff = sum_i p_i tau_i`` when ``mu != 0``, as the reference, FedNova.py:171-175)
+
 ``a_i = ||a_i||_1`` is the reference's ``local_normalizing_vec`` (FedNova.py:151-162), a function of the client's
 local steps ``tau_i`` only: ``tau_i`` for vanilla SGD; ``sum_{t=1..tau_i} (1 - rho^t) / (1 - rho)`` with local
 momentum ``rho`` (the paper's momentum case); ``(1 - (1 - lr mu)^tau_i) / (lr mu)`` for proximal SGD (the paper's
@@ -27,8 +29,9 @@ Defaults are LinearHead's (CLIP2FL's table sets lr / epochs / batch / momentum /
 reference's own defaults are ``gmf = 0``, ``mu = 0``, ``momentum = 0`` (train_LocalSGD.py:44-55, 104-107) with a
 hard-coded ``weight_decay = 1e-4`` and ``nesterov = False`` (train_LocalSGD.py:178-179; Nesterov is not ported).
 
-Switches (params below): ``tau_eff`` (``a``: ``sum p_i a_i``, the reference without a proximal term; ``steps``:
-``sum p_i tau_i``, what the reference uses when ``mu != 0``, FedNova.py:171-175), ``weight_decay_in_a`` (count
+Switches (params below): ``tau_eff`` (``code``, the default: the reference's own choice, FedNova.py:171-175 --
+``sum p_i tau_i`` when ``mu != 0``, ``sum p_i a_i`` otherwise; ``a``: ``sum p_i a_i`` always, fedfeat's default
+before issue 37, which departs from the reference when ``mu > 0``; ``steps``: ``sum p_i tau_i`` always), ``weight_decay_in_a`` (count
 weight decay as a decay in ``a_i``, as ``mu`` is), ``weights`` (``p_i`` over the round's sampled clients, or over
 all clients as the reference's ``DataRatios``, where every client takes part in every round), ``gmf`` (the
 reference's server momentum, FedNova.py:194-203).
@@ -51,9 +54,11 @@ from fedfeat.methods.head import LinearHead, LinearHeadParams
 class FedNovaParams(LinearHeadParams):
     mu: float = 0.0  # FedNova.py:58 `mu`: proximal local SGD (FedNova.py:138-139); train_LocalSGD.py:104: 0
     gmf: float = 0.0  # FedNova.py:58 `gmf`, server (slow) momentum (FedNova.py:194-203); train_LocalSGD.py:44 default 0
-    # a: tau_eff = sum_i p_i a_i (FedNova.py:175, the reference when mu = 0; the paper's normalised update);
-    # steps: tau_eff = sum_i p_i tau_i (FedNova.py:173, what the reference uses when mu != 0)
-    tau_eff: Literal["a", "steps"] = "a"
+    # code (issue 37): the reference's choice, JYWa/FedNova distoptim/FedNova.py:171-175 `if self.mu != 0:
+    # local_steps * ratio else local_normalizing_vec * ratio` -- steps when mu != 0, a when mu = 0;
+    # a: tau_eff = sum_i p_i a_i always (FedNova.py:175; the paper's normalised update; fedfeat's default before
+    # issue 37, off the reference when mu > 0); steps: tau_eff = sum_i p_i tau_i always (FedNova.py:173)
+    tau_eff: Literal["code", "a", "steps"] = "code"
     # False: weight decay is part of the gradient and a_i ignores it (FedNova.py:116-117, 151-162); True (ours): a_i
     # treats it as a decay like mu, with lr * (mu + weight_decay) in place of lr * mu
     weight_decay_in_a: bool = False
@@ -139,7 +144,8 @@ class FedNova(LinearHead):
         n = plan.sizes.to(torch.float64).cpu()
         total = n.sum() if self.p.weights == "sampled" else float(ctx.offsets[-1])
         p = n / total
-        tau_eff = (p * (a if self.p.tau_eff == "a" else tau.to(torch.float64))).sum()
+        by_a = self.p.tau_eff == "a" or (self.p.tau_eff == "code" and not self.p.mu)  # FedNova.py:171-175
+        tau_eff = (p * (a if by_a else tau.to(torch.float64))).sum()
         return torch.where(a > 0, p * tau_eff / a.clamp_min(1e-300), torch.zeros_like(a))
 
     def aggregate(self, ctx: Context, plan: RoundPlan, glob: dict, cparams: dict) -> dict:

@@ -19,11 +19,15 @@ class's ``N = 2`` prompt features by optimal transport (``CustomCLIP.forward``):
 ``OT`` is ``entropic_COT_fast`` (``ot="cot"``, the default ``--OT COT``: unbalanced OT, the patches' scaling capped at
 1 so that only ``top_percent`` of the image's mass is moved, "modify from ot.partial.entropic_partial_wasserstein")
 or the balanced ``Sinkhorn`` (``ot="sinkhorn"``, ``b = 1/N``); both are ported here as ``cot_plan`` /
-``sinkhorn_plan`` and tested against line-by-line transcriptions of the code. The loss is CE on the logits (the
-unsupervised modes: CE on FPL's hard pseudo-labels or CPL's candidate-set loss, ``pseudo=fpl|cpl|copl``, as
-``promptfl``'s unsupervised mode, ``fedfeat.methods.prompt.pseudo_label``). Each client is evaluated on its local test
-split with [global prompt, its own local prompt] (``local_acc``); the global test accuracy uses the global prompt
-and the mean of the clients' local prompts (ours: the paper reports only personalised accuracy).
+``sinkhorn_plan`` and tested against line-by-line transcriptions of the code. Where the code's kernel underflows
+the working dtype (the few-shot script's eps 0.01 in float32: ``K`` down to ``exp(-200)``, the scalings past
+``exp(88)``; the code's own float16 at any small eps), the same iteration runs in the log domain (``cot_plan_log`` /
+``sinkhorn_plan_log``, chosen per batch by ``transport_plan``): the float64 plan to float32 rounding. The loss is
+CE on the logits (the unsupervised modes: CE on FPL's hard pseudo-labels or CPL's candidate-set loss,
+``pseudo=fpl|cpl|copl``, as ``promptfl``'s unsupervised mode, ``fedfeat.methods.prompt.pseudo_label``). Each client
+is evaluated on its local test split with [global prompt, its own local prompt] (``local_acc``); the global test
+accuracy uses the global prompt and the mean of the clients' local prompts (ours: the paper reports only
+personalised accuracy).
 
 Defaults (each field names its source): ``n_ctx`` 16 (``--n_ctx`` default, ``fedotp_few_shot.sh``; the CIFAR-100
 script uses 4), random N(0, 0.02) contexts, SGD lr 0.001 (both scripts), momentum 0.9 and weight decay 5e-4 (Dassl
@@ -58,6 +62,7 @@ Where our setting forces a choice or the code has a quirk, each is a named switc
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -139,6 +144,90 @@ def _group_err(delta: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     return (delta * w.unsqueeze(-1)).sum(dim=(1, 2)) / (w.sum(1) * delta.shape[-1]).clamp_min(1)
 
 
+def _change(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``|exp(new) - exp(old)|`` in float64 (the code's ``(v - v0).abs()`` on the scalings, from their logs: a scaling
+    such as ``exp(80)`` at eps 0.01 overflows float32 but not float64), as ``exp(old) * |expm1(new - old)|``."""
+    new, old = new.double(), old.double()
+    return old.exp() * torch.expm1(new - old).abs()
+
+
+def _lse_rows(logK: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``log (K @ exp(g))``: ``[.., M]`` from ``logK  # [.., M, N]``, ``g  # [.., N]``."""
+    return torch.logsumexp(logK + g.unsqueeze(-2), dim=-1)
+
+
+def _lse_cols(logK: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """``log (K^T @ exp(f))``: ``[.., N]`` from ``logK  # [.., M, N]``, ``f  # [.., M]``."""
+    return torch.logsumexp(logK + f.unsqueeze(-1), dim=-2)
+
+
+def cot_plan_log(
+    logK: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    max_iter: int,
+    thresh: float,
+    valid: torch.Tensor | None = None,
+    stop: str = "batch",
+) -> torch.Tensor:
+    """``entropic_COT_fast`` (GLP_OT.py:238-274) in the log domain on groups of problems: ``logK  # [G, P, M, N]`` the
+    log kernels (``-(1 - sim) / eps``), ``a  # [G, P, M]`` and ``b  # [G, P, N]`` the marginals (broadcastable),
+    ``valid  # [G, P]`` the real problems. The code's iteration, from ``u = v = 1``, ``u = min(1 / (diag(1/a) K v),
+    1)``, ``v = 1 / (diag(1/b) K^T u)``, plan ``diag(u) K diag(v)``, is computed on ``f = log u``, ``g = log v``::
+
+        f = min(log a - LSE_n(logK[m, n] + g[n]), 0)      # the cap u <= 1 of the patches' scaling
+        g = log b - LSE_m(logK[m, n] + f[m])
+        T = exp(f[m] + logK[m, n] + g[n])
+
+    -- the same numbers in exact arithmetic, but finite in float32 at any ``eps`` (at eps 0.01 ``K`` underflows and
+    ``v`` overflows float32). A group stops (``stop="batch"``) after the iteration in which the mean ``|v - v_prev|``
+    over its valid problems (from the logs, in float64) falls below ``thresh`` -- one group is one of the code's
+    batches; ``"fixed"`` runs ``max_iter`` iterations."""
+    return _plan_log(logK, a, b, max_iter, thresh, valid, stop, cap=True)
+
+
+def _plan_log(logK, a, b, max_iter, thresh, valid, stop, *, cap: bool) -> torch.Tensor:
+    """The log-domain iteration both transports share: ``f = log a - LSE_n(logK + g)`` (``cap``: COT's ``min(., 0)``,
+    its ``u <= 1``), ``g = log b - LSE_m(logK + f)`` from ``f = g = 0``; a group stops on the mean change of the
+    scaling the code watches (COT: ``v = exp(g)``; Sinkhorn: ``r = exp(f)``); the plan ``exp(f + logK + g)``."""
+    G = logK.shape[0]
+    a, b = torch.broadcast_to(a, logK.shape[:-1]), torch.broadcast_to(b, logK.shape[:-2] + logK.shape[-1:])
+    la, lb = a.log(), b.log()
+    f, g = torch.zeros_like(la), torch.zeros_like(lb)  # u = v = 1
+    active = torch.ones(G, dtype=torch.bool, device=logK.device)
+    for _ in range(max_iter):
+        f0, g0 = f, g
+        f_new = la - _lse_rows(logK, g)
+        if cap:
+            f_new = f_new.clamp_max(0.0)  # u = min(dx / (Kp v), dx)
+        g_new = lb - _lse_cols(logK, f_new)  # v = dy / (Kq u)
+        on = active.view(G, 1, 1)
+        f, g = torch.where(on, f_new, f), torch.where(on, g_new, g)
+        if stop == "batch":
+            watched = _change(g, g0) if cap else _change(f, f0)
+            active = active & ~(_group_err(watched, valid) < thresh)
+            if not bool(active.any()):
+                break
+    return torch.exp(f.unsqueeze(-1) + logK + g.unsqueeze(-2))
+
+
+def sinkhorn_plan_log(
+    logK: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    max_iter: int,
+    thresh: float,
+    valid: torch.Tensor | None = None,
+    stop: str = "batch",
+) -> torch.Tensor:
+    """``CustomCLIP.Sinkhorn`` (GLP_OT.py:222-236) in the log domain on groups of problems (shapes as
+    ``cot_plan_log``): the code's ``r = a / (K c)``, ``c = b / (K^T r)`` from ``r = c = 1``, plan ``(r c^T) * K``,
+    computed on ``f = log r = log a - LSE_n(logK + h)``, ``h = log c = log b - LSE_m(logK + f)``, ``T = exp(f + logK +
+    h)``. A group stops after the iteration in which the mean ``|r - r_prev|`` over its valid problems falls below
+    ``thresh`` (``stop="batch"``)."""
+    return _plan_log(logK, a, b, max_iter, thresh, valid, stop, cap=False)
+
+
 def cot_plan(
     K: torch.Tensor,
     a: torch.Tensor,
@@ -204,25 +293,63 @@ def sinkhorn_plan(
     return (r.unsqueeze(-1) @ c.unsqueeze(-2)) * K
 
 
+def transport_plan(
+    sim: torch.Tensor,
+    eps: float,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    ot: str,
+    max_iter: int,
+    thresh: float,
+    valid: torch.Tensor | None = None,
+    stop: str = "batch",
+) -> torch.Tensor:
+    """The plans ``[G, P, M, N]`` of the kernels ``K = exp(-(1 - sim) / eps)`` of ``sim  # [G, P, M, N]``: ``cot_plan``
+    (``ot="cot"``) or ``sinkhorn_plan``. Each group (one of the code's batches) runs the code's direct iteration in
+    ``sim``'s dtype where that is exact -- every kernel entry in the dtype's normal range (``log K >= log tiny``) and
+    the plan finite (no scaling overflowed) -- and otherwise the same iteration in the log domain (``cot_plan_log`` /
+    ``sinkhorn_plan_log``, float32 at least): at the default ``eps`` 0.1 in float32 every group is direct (``log K >=
+    -2 / eps = -20``), at the few-shot script's 0.01 ``K`` reaches ``exp(-200)``, below float32's ``exp(-87.3)``, and
+    the scalings overflow, so such groups go through the log domain. Both paths are the same numbers in exact
+    arithmetic, with the same stopping rule; the choice is per group, so a group's plan never depends on another's."""
+    direct_fn, log_fn = (cot_plan, cot_plan_log) if ot == "cot" else (sinkhorn_plan, sinkhorn_plan_log)
+    z = -(1.0 - sim) / eps  # the code's -wdist / eps
+    ok = z.flatten(1).amin(1) >= math.log(torch.finfo(z.dtype).tiny)  # [G] no kernel entry underflows
+    T = torch.empty_like(sim)
+    if bool(ok.any()):
+        g = ok.nonzero().squeeze(1)
+        sub = None if valid is None else valid[g]
+        T[g] = direct_fn(torch.exp(z[g]), a, b, max_iter, thresh, sub, stop)
+        ok[g] = T[g].flatten(1).isfinite().all(1)  # a scaling overflowed: redo in the log domain
+    if not bool(ok.all()):
+        g = (~ok).nonzero().squeeze(1)
+        # float32 at least: log potentials near 1 / eps keep too few digits in float16
+        work = torch.promote_types(sim.dtype, torch.float32)
+        sub = None if valid is None else valid[g]
+        logK = -(1.0 - sim[g].to(work)) / eps
+        T[g] = log_fn(logK, a.to(work), b.to(work), max_iter, thresh, sub, stop).to(sim.dtype)
+    return T
+
+
 def ot_logits(
     patches: torch.Tensor, text: torch.Tensor, valid: torch.Tensor | None, p, scale: float
 ) -> torch.Tensor:
     """FedOTP's logits (``CustomCLIP.forward``): ``patches  # [G, P, M, D]`` and ``text  # [G, N, K, D]`` unit
     features (group ``g``'s images scored against its prompts), ``valid  # [G, P]`` -> ``[G, P, K]``. The plan is
-    computed without gradient; the gradient reaches the prompts through ``sim``."""
+    computed without gradient (``transport_plan``: the code's direct iteration, or the log domain where its kernel
+    would underflow); the gradient reaches the prompts through ``sim``."""
     G, P, M, _ = patches.shape
     N, Kc = text.shape[1], text.shape[2]
     sim = torch.einsum("gpmd,gnkd->gpkmn", patches, text)  # [G, P, K, M, N]
     with torch.no_grad():
-        kern = torch.exp(-(1.0 - sim) / p.eps).reshape(G, P * Kc, M, N)
         ok = None if valid is None else valid.repeat_interleave(Kc, dim=1)  # problems are (image, class)
         a = torch.full((M,), 1.0 / M, dtype=sim.dtype, device=sim.device)
+        b = torch.full((N,), 1.0 / N, dtype=sim.dtype, device=sim.device)
         if p.ot == "cot":  # yy = 1/N * top_percent (top_percent = min(sum(xx), TOP_PERCENT) = TOP_PERCENT)
-            b = torch.full((N,), 1.0 / N, dtype=sim.dtype, device=sim.device) * p.top_percent
-            T = cot_plan(kern, a, b, p.max_iter, p.thresh, ok, p.ot_stop)
-        else:
-            b = torch.full((N,), 1.0 / N, dtype=sim.dtype, device=sim.device)
-            T = sinkhorn_plan(kern, a, b, p.max_iter, p.thresh, ok, p.ot_stop)
+            b = b * p.top_percent
+        T = transport_plan(
+            sim.reshape(G, P * Kc, M, N), p.eps, a, b, p.ot, p.max_iter, p.thresh, ok, p.ot_stop
+        )
     return scale * (T.view(G, P, Kc, M, N) * sim).sum(dim=(-2, -1))
 
 

@@ -19,6 +19,9 @@ defaults are the plain FedAvg reading, a family's params override them with its 
   half precision as OpenAI's CLIP runs (``TextTower.cast``); ``"auto"`` fp16 on a CUDA device, fp32 on a CPU (fp16
   matmuls on a CPU run ~25x slower than fp32: measured 29.4 s vs 1.15 s for one step of 20 ViT-B/16 prompts on a
   2-core EPYC).
+* ``optimizer``: ``"sgd"`` (CoOp's, PromptFL's and FedTPG's codes); ``"adamw"`` ``torch.optim.AdamW`` at ``lr`` and a
+  decoupled ``weight_decay`` (``momentum`` unused), the reading of Fed-MP's App. A, whose CLIP baselines all ran AdamW
+  at lr 1e-5 (``fed-mp-table1`` passes it); fp32 only (fp16 is refused).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from fedfeat.engine.context import Context
-from fedfeat.engine.optim import BatchedSGD
+from fedfeat.engine.optim import BatchedAdamW, BatchedSGD
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import Method
 
@@ -69,6 +72,9 @@ class PromptParams:
     optimizer_state: Literal["fresh", "carried"] = "fresh"
     # the text tower, prompts, logits and update in fp32; "fp16": CLIP's half precision; "auto": fp16 on CUDA only
     precision: Literal["fp32", "fp16", "auto"] = "fp32"
+    # CoOp's / Dassl's SGD; "adamw": torch.optim.AdamW (betas 0.9 / 0.999, eps 1e-8, decoupled weight_decay; momentum
+    # unused) -- Fed-MP App. A: "all baseline methods that use CLIP ... are optimized via AdamW", lr 1e-5
+    optimizer: Literal["sgd", "adamw"] = "sgd"
 
     def validate(self) -> None:
         if self.local_epochs < 1 or self.batch_size < 1:
@@ -286,6 +292,14 @@ class PromptMethod(Method):
 
     def make_optimizer(self, rnd: int):
         p = self.p
+        if getattr(p, "optimizer", "sgd") == "adamw":  # Fed-MP App. A's reading of the CLIP baselines
+            if self.dtype == torch.float16:  # eps 1e-8 and v = g² underflow in fp16: inf / NaN steps
+                raise FedfeatError(
+                    f"{self.name} optimizer=adamw runs in fp32 only (its eps and second moments underflow in "
+                    "fp16); add --set precision=fp32"
+                )
+            self._opt = BatchedAdamW(lr=round_lr(p, rnd, self.rounds), weight_decay=p.weight_decay)
+            return self._opt
         self._opt = BatchedSGD(
             lr=round_lr(p, rnd, self.rounds), momentum=p.momentum, weight_decay=p.weight_decay
         )

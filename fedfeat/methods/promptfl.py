@@ -228,6 +228,11 @@ class FedTPGParams(PromptParams):
                 "schedule=cosine-epoch with optimizer_state=per-client is not a reading of FedTPG's code; use "
                 "--set schedule=cosine (TPG's) or optimizer_state=fresh"
             )
+        if self.optimizer == "adamw" and self.optimizer_state == "per-client":
+            raise FedfeatError(
+                "fedtpg optimizer=adamw keeps no per-client AdamW state (optimizer_state=per-client is TPG's SGD); "
+                "add --set optimizer_state=fresh"
+            )
 
 
 def _uniform(g, shape, bound, dtype, device):

@@ -24,10 +24,16 @@ from this machine, so the equations below are the code's, which the paper's §"M
    weights computed after round t are the next round's (round 1: plain CE, ``ratio = None``).
 
 Auxiliary data (``fedfeat.methods.serverdata``): the code takes the first 63 training images of every class
-(``utils/sampling.py`` ``ratio_loss_data``), from the same training set the clients hold. ``aux_data=train``
-(default) is that, a seeded draw of ``aux_per_class`` rows per class; ``unassigned`` keeps it disjoint from the
+(``utils/sampling.py:56-61`` ``ratio_loss_data``: ``np.where(label_train == c)[0][0:63]``), from the same training
+set the clients hold. ``aux_data=train`` with ``aux_draw=first`` (the defaults) is that: the first
+``aux_per_class`` rows of every class in the store's row order; ``aux_draw=random`` is a seeded draw of them
+(fedfeat's default before issue 37). ``aux_data=unassigned`` keeps it disjoint from the
 clients' data, but CLIP2FL's long tail leaves the head class no unassigned image, so it fails at IF 100;
 ``store:PATH`` reads another store with the run's classes. These labels are the only ones the server reads.
+
+Aggregation: the code's ``FedAvg(w)`` (``models/Fed.py:7-13``) is the *uniform* mean of the round's client models
+(``torch.div(w_avg[k], len(w))``): ``aggregation=uniform`` (default); ``aggregation=size`` weighs them by client size
+(fedfeat's default before issue 37).
 
 Local training follows CLIP2FL's Table 1 protocol (10 epochs, batch 32, SGD 0.1, no momentum or weight decay), so
 the baseline runs in the table's setting; the monitor's per-class copies train with it too. Shuffles of the
@@ -37,11 +43,12 @@ monitor come from ``rng.generator(seed, round, TAG_MONITOR)``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from fedfeat.engine import rng
-from fedfeat.engine.context import Context, RoundPlan
+from fedfeat.engine.context import Context, RoundPlan, fedavg
 from fedfeat.engine.optim import BatchedSGD
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import register
@@ -61,6 +68,12 @@ class RatioLossParams(LinearHeadParams):
     weight_decay: float = 0.0  # CLIP2FL main.py
     aux_data: str = "train"  # Ratio Loss code: training images (utils/sampling.py ratio_loss_data)
     aux_per_class: int = 63  # Ratio Loss code: idx_temp[0][0:63] per class (FEMNIST-4-Losses)
+    # issue 37: first = each class's first aux_per_class rows in store order (utils/sampling.py:56-61, the code);
+    # random = a seeded draw per class (fedfeat's default before issue 37)
+    aux_draw: Literal["first", "random"] = "first"
+    # issue 37: uniform = the code's FedAvg, the plain mean of the round's clients (models/Fed.py:7-13);
+    # size = weighted by client size (fedfeat's default before issue 37)
+    aggregation: Literal["uniform", "size"] = "uniform"
     ratio_alpha: float = 1.0  # Ratio Loss code whole_determination: 1.0 + 0.1 * ratio (paper's alpha)
     ratio_beta: float = 0.1  # Ratio Loss code whole_determination (paper's beta)
     dominance: float = 0.8  # Ratio Loss code search_neuron_new: |Delta_q| / |Delta_max| > 0.80
@@ -145,7 +158,7 @@ class RatioLoss(LinearHead):
             p = self.p
             s = draw_balanced(
                 ctx, p.aux_data, p.aux_per_class, p.normalize, tag=TAG_AUX_SET, field="aux_data",
-                size_field="aux_per_class",
+                size_field="aux_per_class", order=p.aux_draw,
             )  # fmt: skip
             ctx.cache["ratio_aux"] = s.x.view(ctx.K, p.aux_per_class, ctx.D)
         return ctx.cache["ratio_aux"]
@@ -163,6 +176,12 @@ class RatioLoss(LinearHead):
     def sample_loss(self, ctx, z, y, local):
         """``-(alpha + beta Ra_y) log softmax(z)_y`` (``Ratio_Cross_Entropy``)."""
         return local["w"][y] * super().sample_loss(ctx, z, y, local)
+
+    def aggregate(self, ctx: Context, plan: RoundPlan, glob: dict, cparams: dict) -> dict:
+        """The code's ``FedAvg(w)`` (``models/Fed.py:7-13``): the uniform mean of the round's client heads;
+        ``aggregation=size``: FedAvg by client size."""
+        w = plan.sizes if self.p.aggregation == "size" else torch.ones_like(plan.sizes)
+        return fedavg(cparams, w.to(ctx.device))
 
     def server_update(self, ctx: Context, plan: RoundPlan, old: dict, new: dict) -> dict:
         """The monitor on the head the round's clients started from (``old``): next round's class weights."""

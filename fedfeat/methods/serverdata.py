@@ -158,10 +158,21 @@ def draw_set(
 
 
 def draw_balanced(
-    ctx: Context, spec: str, per_class: int, normalize: bool, *, tag: int, field: str, size_field: str
+    ctx: Context,
+    spec: str,
+    per_class: int,
+    normalize: bool,
+    *,
+    tag: int,
+    field: str,
+    size_field: str,
+    order: str = "random",
 ) -> ServerSet:
-    """A labelled, class-balanced set: ``per_class`` rows of every class of the run (drawn per class by a generator
-    seeded with ``(ctx.seed, tag)``), class-major. A class with fewer rows in the source is a ``FedfeatError``."""
+    """A labelled, class-balanced set: ``per_class`` rows of every class of the run, class-major. ``order="random"``
+    draws them per class by a generator seeded with ``(ctx.seed, tag)``; ``"first"`` takes each class's first
+    ``per_class`` rows in the source store's row order (Ratio Loss's code: ``np.where(label_train == c)[0][0:63]``,
+    balanced-fl ``FEMNIST-4-Losses/utils/sampling.py:56-61``). A class with fewer rows in the source is a
+    ``FedfeatError``."""
     st, rows, lab = source_rows(ctx, spec, field)
     names = list(getattr(st, "class_names", []) or [])
     if spec.startswith("store:") and names != list(ctx.class_names):
@@ -179,7 +190,7 @@ def draw_balanced(
                 f"{field}={spec}: class {c} ({names[c] if c < len(names) else c}) has {len(rc)} rows for the "
                 f"server, {per_class} are asked; use --set {field}=train or a smaller --set {size_field}=..."
             )
-        take.append(rc[gen.permutation(len(rc))[:per_class]])
+        take.append(rc[:per_class] if order == "first" else rc[gen.permutation(len(rc))[:per_class]])
     take = np.concatenate(take)
     y = torch.from_numpy(lab[take].astype(np.int64)).to(ctx.device)
     return ServerSet(_load(ctx, st, take, normalize), y, spec, take)

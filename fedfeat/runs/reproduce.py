@@ -54,7 +54,9 @@ encoded with pixels by a tiny random CLIP, whose encoder the prompt methods rebu
 
 Each row runs the reading of its authors' code, stated in the TOML (``docs/paper-code.md`` lists the paper/code
 disagreements); each table's header states its setting (``setting``), and a ``--synthetic`` table's title says it
-is a stand-in, not a reproduction. ``fedfeat reproduce --list`` lists the tables (``list_tables``).
+is a stand-in, not a reproduction. A table whose rows are not the paper's model (``clip2fl-table1``: ResNet-8s in
+the paper, linear heads on frozen features here) says so in its TOML's ``reading``, printed in every format.
+``fedfeat reproduce --list`` lists the tables (``list_tables``).
 """
 
 from __future__ import annotations
@@ -110,6 +112,10 @@ class Table:
     transpose: bool = False  # the paper's layout has datasets as rows, methods as columns
     paper_format: str = ""  # format spec of the paper's numbers as shown ("" : as transcribed, 74.0)
     runs: str | None = None  # the runs' folder name (tables over the same runs share it); default: name
+    # what ours' rows are where they are not the paper's model (CLIP2FL's ResNet-8 rows read as linear heads on frozen
+    # features): printed in every format (markdown / CSV header, JSON ``reading`` of every cell and table)
+    reading: str = ""
+    notes: tuple = ()  # lines printed under the header (a paper's value beside the code's that the table runs)
 
 
 def _cpl_params(dataset: str) -> dict:
@@ -512,7 +518,8 @@ def list_tables(fmt: str = "markdown", name: str | None = None) -> str:
 
         return json.dumps(
             [
-                {"name": t.name, "title": t.title, "setting": setting(t), "columns": [c.label for c in t.columns],
+                {"name": t.name, "title": t.title, "setting": setting(t), "reading": t.reading or None,
+                 "columns": [c.label for c in t.columns],
                  "rows": [{"label": r.label, "method": r.method, "why": r.why or None} for r in t.rows]}
                 for t in tables
             ],
@@ -547,13 +554,17 @@ def render(
     * ``json``: a list of cells, each with ``synthetic`` (true: ours was measured on a stand-in store),
       ``source`` (``"synthetic stand-in"`` or ``"encoded store"``), ``stand_in`` (``"features"``: a feature
       stand-in, ``fedfeat synth``; ``"live"``: a live stand-in, ``fedfeat.runs.standin``; null for an encoded
-      store) and ``store`` (the store its runs read; null for a cell without runs), beside ``mean``, ``std``,
-      ``n``, ``paper`` (the paper's number, on real data), ``paper_std`` and ``why`` (an n/a cell's reason);
+      store), ``store`` (the store its runs read; null for a cell without runs) and ``reading`` (the table's
+      ``reading``: what its rows are where they are not the paper's model; null where they are), beside ``mean``,
+      ``std``, ``n``, ``paper`` (the paper's number, on real data), ``paper_std`` and ``why`` (an n/a cell's reason);
     * ``csv``: valid CSV (``csv`` module): the header's prose (title, setting, metric) and the n/a notes as comment
       lines starting with ``#`` (pandas: ``read_csv(..., comment="#")``; ``csv.reader``: skip rows whose first
       field starts with ``#``), then one header row and the table's rows, whose last column ``source`` says
       ``synthetic stand-in`` or ``encoded store``;
-    * ``markdown``: the title (``SYNTHETIC STAND-IN, NOT A REPRODUCTION -- ...``) and the header."""
+    * ``markdown``: the title (``SYNTHETIC STAND-IN, NOT A REPRODUCTION -- ...``) and the header.
+
+    The header (markdown, and the CSV's comment lines) ends with the table's ``reading`` (``reading: ...``) and its
+    ``notes`` (``note: ...``, e.g. a paper's value beside the code's that the table runs)."""
     import json
 
     from fedfeat.report.tables import _table
@@ -596,12 +607,13 @@ def render(
                 why = blocked.get((r, c)) or (skipped.get(c) if m is None else None)
                 out.append({"row": row.label, "column": col.label, "metric": table.metric, "mean": m, "std": s,
                             "n": n, "paper": p, "paper_std": ps, "why": why, "synthetic": synthetic,
-                            "source": source, "stand_in": stand_in(r), "store": stores_of.get((r, c))})  # fmt: skip
+                            "source": source, "stand_in": stand_in(r), "store": stores_of.get((r, c)),
+                            "reading": table.reading or None})  # fmt: skip
             if table.paper_avg is not None:
                 out.append({"row": row.label, "column": "Avg.", "metric": table.metric, "mean": avg[r],
                             "std": None, "n": ncol, "paper": _paper(table, row.label, 0, avg=True)[0],
                             "paper_std": None, "why": None, "synthetic": synthetic, "source": source,
-                            "stand_in": stand_in(r), "store": None})  # fmt: skip
+                            "stand_in": stand_in(r), "store": None, "reading": table.reading or None})  # fmt: skip
         return json.dumps(out, indent=1)
 
     def num(x: float) -> str:
@@ -650,6 +662,9 @@ def render(
         head += f"; the paper prints fractions, shown x{table.paper_scale:g}"
     if table.paper_avg is not None:
         head += "; Avg.: the mean over the columns ('-' where a column has no number)"
+    if table.reading:  # ours' rows are not the paper's model: said in the header, as each JSON cell says it
+        head += "\nreading: " + table.reading
+    head += "".join(f"\nnote: {x}" for x in table.notes)
     notes = "".join(f"\nn/a in {table.columns[c].label}: {why}" for c, why in skipped.items())
     by_reason: dict[tuple[int, str], list[int]] = {}
     for (r, c), why in sorted(blocked.items()):

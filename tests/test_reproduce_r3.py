@@ -1,0 +1,148 @@
+"""``fedfeat reproduce``'s ablation tables (issue 37): CLIP2FL Table 3 (KL / L_pcl ablation at IF = 100) and Fed-MP
+Table 2 (adaptive aggregation / multimodal prototyping ablation, A and Phi_F1) are listed, run on tiny stand-ins
+(``--synthetic --seeds 1 --rounds 1``), label their stand-ins in every format and show the paper's numbers."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from fedfeat.cli.app import app
+from fedfeat.runs import reproduce as R
+
+runner = CliRunner()
+NEW = ("clip2fl-table3", "fed-mp-table2", "fed-mp-table2-f1", "fedcopl-aggregation")
+
+
+@pytest.fixture()
+def tiny(monkeypatch):
+    """Tiny stand-in shapes (D = 32, a few images per class); CReFF / CLIP2FL's server steps cut to a few (their
+    defaults, 100 features x 300 re-training epochs, cost minutes); Fed-MP's table cut to two datasets."""
+    sh = dict(train_per_class=12, test_per_class=5, dim=32, templates=1, s=0.1, eta=0.7)
+    monkeypatch.setattr(R, "SYNTH_SHAPES", {
+        ("cifar10", "ViT-B-32"): dict(classes=10, train_per_class=60, test_per_class=10, dim=32, templates=2),
+        ("cifar100", "ViT-B-32"): dict(classes=100, train_per_class=12, test_per_class=2, dim=32, templates=2, s=0.1),
+        ("caltech101", "ViT-L-14-336"): dict(classes=102, **sh),
+        ("ucf101", "ViT-L-14-336"): dict(classes=101, **sh),
+        ("dtd", "ViT-B-32"): dict(classes=47, train_per_class=20, test_per_class=5, dim=32, s=0.15),
+    })  # fmt: skip
+    fast = {
+        "num_features": "2",
+        "crt_epochs": "2",
+        "match_steps": "2",
+        "local_epochs": "1",
+        "grad_repeats": "1",
+    }
+    t = R.TABLES["clip2fl-table3"]
+    rows = [dataclasses.replace(r, params={**r.params, **fast}) for r in t.rows]
+    monkeypatch.setitem(R.TABLES, "clip2fl-table3", dataclasses.replace(t, rows=rows))
+    import fedfeat.runs.standin as standin
+
+    monkeypatch.setattr(standin, "LIVE_TRAIN", 10)  # the live stand-in's images per class (FedCoPL's rows)
+    monkeypatch.setattr(standin, "LIVE_TEST", 3)
+    t = R.TABLES["fedcopl-aggregation"]
+    rows = [dataclasses.replace(r, params={**r.params, "local_epochs": "1"}) for r in t.rows]
+    cut = {k: v[:1] for k, v in t.paper.items()}
+    monkeypatch.setitem(R.TABLES, "fedcopl-aggregation", dataclasses.replace(t, columns=t.columns[:1], rows=rows,
+                                                                             paper=cut))  # fmt: skip
+    for name in ("fed-mp-table2", "fed-mp-table2-f1"):
+        t = R.TABLES[name]
+        cut = {k: v[:2] for k, v in t.paper.items()}
+        std = {k: v[:2] for k, v in (t.paper_std or {}).items()}
+        monkeypatch.setitem(
+            R.TABLES, name, dataclasses.replace(t, columns=t.columns[:2], paper=cut, paper_std=std)
+        )
+
+
+def test_list_names_the_ablation_tables():
+    r = runner.invoke(app, ["reproduce", "--list"])
+    assert r.exit_code == 0, r.output
+    lines = {ln.split(" | ")[0].strip("| "): ln for ln in r.output.splitlines() if ln.startswith("| ")}
+    assert set(NEW) <= set(lines)
+    assert "backbone ViT-B-32; 20 clients, 40 % of them per round; rounds 200" in lines["clip2fl-table3"]
+    assert "long-tailed IF=100" in lines["clip2fl-table3"]
+    assert (
+        "w/o A. A., w/o M. P." in lines["fed-mp-table2"] and "metric: novel_f1" in lines["fed-mp-table2-f1"]
+    )
+    got = {
+        t["name"]: t
+        for t in json.loads(runner.invoke(app, ["reproduce", "--list", "--format", "json"]).output)
+    }
+    assert [r["label"] for r in got["clip2fl-table3"]["rows"]] == [
+        "Baseline (CReFF: no KL, no L_pcl)", "w/o L_pcl (KL only)", "CLIP2FL (KL + L_pcl)"]  # fmt: skip
+    assert got["fed-mp-table2"]["columns"] == ["Caltech101", "UCF101", "Food101", "Flower102"]
+
+
+def test_ablation_rows_are_the_switches():
+    t = R.TABLES["clip2fl-table3"]
+    assert [(r.method, r.params) for r in t.rows] == [
+        ("creff", {}),
+        ("clip2fl", {"eta": "0"}),
+        ("clip2fl", {}),
+    ]
+    assert t.paper["w/o L_pcl (KL only)"] == [72.20, 35.88]
+    assert {c.settings["imbalance_factor"] for c in t.columns} == {100}
+    rows = {r.label: r.params for r in R.TABLES["fed-mp-table2"].rows}
+    assert rows["w/o A. A."]["adaptive"] == "false" and rows["w/o M. P."]["prototyping"] == "false"
+    assert "adaptive" not in rows["Fed-MP"] and "prototyping" not in rows["Fed-MP"]
+    # Fed-MP's column is Table 1's Fed-MP (the same runs' reading, the same numbers)
+    t1, t2 = R.TABLES["fed-mp-table1"], R.TABLES["fed-mp-table2"]
+    assert t2.paper["Fed-MP"] == t1.paper["Fed-MP"][:4]
+    assert [r for r in t1.rows if r.label == "Fed-MP"][0].params == rows["Fed-MP"]
+    # FedCoPL: the four aggregation choices, otherwise fedcopl-table1's FedCoPL row, in its setting
+    t, main = R.TABLES["fedcopl-aggregation"], R.TABLES["fedcopl-table1"]
+    assert [r.params["aggregate"] for r in t.rows] == ["none", "both", "text", "visual"]
+    copl = [r for r in main.rows if r.label == "FedCoPL"][0]
+    assert all({k: v for k, v in r.params.items() if k != "aggregate"} == copl.params for r in t.rows)
+    assert t.paper["visual only: FedCoPL (aggregate=visual)"] == main.paper["FedCoPL"][:4]
+    assert [c.settings for c in t.columns] == [c.settings for c in main.columns[:4]] and t.fixed == main.fixed
+
+
+def _run(name, fmt, tmp_path):
+    args = ["reproduce", name, "--synthetic", "--seeds", "1", "--rounds", "1", "--store-root", str(tmp_path / "cache"),
+            "--out", str(tmp_path / "runs" / name), "--format", fmt]  # fmt: skip
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    return r.stdout
+
+
+@pytest.mark.parametrize(
+    ("name", "papers", "stand_in", "ncells"),
+    [("clip2fl-table3", ["(70.55)", "(72.20)", "(73.37)", "(34.67)", "(35.88)", "(37.56)"], "features", 6),
+     ("fed-mp-table2", ["(99.36 ± 0.10)", "(98.57 ± 0.29)", "(93.32 ± 1.97)", "(88.18 ± 1.00)"], "features", 6),
+     ("fed-mp-table2-f1", ["(98.76 ± 0.20)", "(97.90 ± 0.38)", "(92.38 ± 1.74)", "(87.02 ± 1.27)"], "features", 6),
+     ("fedcopl-aggregation", ["(50.45)", "(47.34)", "(55.31)", "(60.89)"], "live", 4)],
+)  # fmt: skip
+def test_runs_synthetic_in_every_format_beside_the_papers_numbers(
+    tiny, tmp_path, monkeypatch, name, papers, stand_in, ncells
+):
+    monkeypatch.chdir(tmp_path)
+    md = _run(name, "markdown", tmp_path)
+    assert "SYNTHETIC STAND-IN, NOT A REPRODUCTION" in md and "rounds 1 (the paper's:" in md
+    assert all(p in md for p in papers), md
+    if (
+        name == "clip2fl-table3"
+    ):  # linear heads on frozen features, not the paper's ResNet-8s: said in the header
+        assert "reading: frozen-feature reading of ResNet-8 methods" in md
+    text = _run(name, "csv", tmp_path)
+    got = [r for r in csv.reader(io.StringIO(text)) if r]
+    data = [r for r in got if not r[0].startswith("#")]
+    assert text.startswith("# SYNTHETIC STAND-IN, NOT A REPRODUCTION")
+    assert data[0][-1] == "source" and {r[-1] for r in data[1:]} == {"synthetic stand-in"}
+    assert all(p in text for p in papers)
+    assert "n/a" not in "".join(",".join(r) for r in data[1:])  # every cell was measured
+    cells = json.loads(_run(name, "json", tmp_path))
+    assert len(cells) == ncells
+    assert {(c["synthetic"], c["source"], c["stand_in"]) for c in cells} == {
+        (True, "synthetic stand-in", stand_in)
+    }
+    assert all(c["mean"] is not None and c["paper"] is not None and c["store"] for c in cells)
+    t = R.TABLES[name]
+    for c in cells:
+        col = [x.label for x in t.columns].index(c["column"])
+        assert c["paper"] == pytest.approx(t.paper[c["row"]][col] * t.paper_scale)
