@@ -16,7 +16,7 @@ from fedfeat.cli.app import app
 from fedfeat.runs import reproduce as R
 
 runner = CliRunner()
-NEW = ("clip2fl-table3", "fed-mp-table2", "fed-mp-table2-f1", "fedcopl-aggregation")
+NEW = ("clip2fl-table3", "fed-mp-table2", "fed-mp-table2-f1", "fedcopl-aggregation", "fedcopl-filtering")
 
 
 @pytest.fixture()
@@ -45,11 +45,13 @@ def tiny(monkeypatch):
 
     monkeypatch.setattr(standin, "LIVE_TRAIN", 10)  # the live stand-in's images per class (FedCoPL's rows)
     monkeypatch.setattr(standin, "LIVE_TEST", 3)
-    t = R.TABLES["fedcopl-aggregation"]
-    rows = [dataclasses.replace(r, params={**r.params, "local_epochs": "1"}) for r in t.rows]
-    cut = {k: v[:1] for k, v in t.paper.items()}
-    monkeypatch.setitem(R.TABLES, "fedcopl-aggregation", dataclasses.replace(t, columns=t.columns[:1], rows=rows,
-                                                                             paper=cut))  # fmt: skip
+    for name in ("fedcopl-aggregation", "fedcopl-filtering"):
+        t = R.TABLES[name]
+        rows = [dataclasses.replace(r, params={**r.params, "local_epochs": "1"}) for r in t.rows]
+        cut = {k: v[:1] for k, v in t.paper.items()}
+        monkeypatch.setitem(
+            R.TABLES, name, dataclasses.replace(t, columns=t.columns[:1], rows=rows, paper=cut)
+        )
     for name in ("fed-mp-table2", "fed-mp-table2-f1"):
         t = R.TABLES[name]
         cut = {k: v[:2] for k, v in t.paper.items()}
@@ -76,6 +78,12 @@ def test_list_names_the_ablation_tables():
     assert [r["label"] for r in got["clip2fl-table3"]["rows"]] == [
         "Baseline (CReFF: no KL, no L_pcl)", "w/o L_pcl (KL only)", "CLIP2FL (KL + L_pcl)"]  # fmt: skip
     assert got["fed-mp-table2"]["columns"] == ["Caltech101", "UCF101", "Food101", "Flower102"]
+    assert [r["label"] for r in got["fedcopl-filtering"]["rows"]] == [
+        "no filtering, no global assignment (PromptFL + FPL)",
+        "global assignment only (no confidence / entropy filtering)",
+        "confidence + entropy filtering, no global assignment (not evaluated in the paper)",
+        "filtering + global assignment: FedCoPL",
+    ]
 
 
 def test_ablation_rows_are_the_switches():
@@ -101,6 +109,26 @@ def test_ablation_rows_are_the_switches():
     assert all({k: v for k, v in r.params.items() if k != "aggregate"} == copl.params for r in t.rows)
     assert t.paper["visual only: FedCoPL (aggregate=visual)"] == main.paper["FedCoPL"][:4]
     assert [c.settings for c in t.columns] == [c.settings for c in main.columns[:4]] and t.fixed == main.fixed
+    # FedCoPL's filtering / assignment ablation: the three switches, the paper's x x x row is its PromptFL + FPL
+    t = R.TABLES["fedcopl-filtering"]
+    sw = ("confidence_filtering", "entropy_filtering", "global_assignment")
+    assert [(r.method, tuple(r.params.get(k, "true") for k in sw)) for r in t.rows] == [
+        ("promptfl", ("true", "true", "true")),
+        ("fedcopl", ("false", "false", "true")),
+        ("fedcopl", ("true", "true", "false")),
+        ("fedcopl", ("true", "true", "true")),
+    ]
+    fpl = [r for r in main.rows if r.label == "PromptFL + FPL"][0]
+    assert t.rows[0].params == fpl.params and t.paper[t.rows[0].label] == main.paper["PromptFL + FPL"][:4]
+    assert t.rows[-1].params == copl.params and t.paper[t.rows[-1].label] == main.paper["FedCoPL"][:4]
+    assert t.paper["global assignment only (no confidence / entropy filtering)"] == [
+        46.35,
+        69.60,
+        51.98,
+        65.31,
+    ]
+    assert t.rows[2].label not in t.paper  # "(not evaluated independently)" in the paper
+    assert [c.settings for c in t.columns] == [c.settings for c in main.columns[:4]] and t.fixed == main.fixed
 
 
 def _run(name, fmt, tmp_path):
@@ -116,7 +144,8 @@ def _run(name, fmt, tmp_path):
     [("clip2fl-table3", ["(70.55)", "(72.20)", "(73.37)", "(34.67)", "(35.88)", "(37.56)"], "features", 6),
      ("fed-mp-table2", ["(99.36 ± 0.10)", "(98.57 ± 0.29)", "(93.32 ± 1.97)", "(88.18 ± 1.00)"], "features", 6),
      ("fed-mp-table2-f1", ["(98.76 ± 0.20)", "(97.90 ± 0.38)", "(92.38 ± 1.74)", "(87.02 ± 1.27)"], "features", 6),
-     ("fedcopl-aggregation", ["(50.45)", "(47.34)", "(55.31)", "(60.89)"], "live", 4)],
+     ("fedcopl-aggregation", ["(50.45)", "(47.34)", "(55.31)", "(60.89)"], "live", 4),
+     ("fedcopl-filtering", ["(45.79)", "(46.35)", "(60.89)"], "live", 4)],
 )  # fmt: skip
 def test_runs_synthetic_in_every_format_beside_the_papers_numbers(
     tiny, tmp_path, monkeypatch, name, papers, stand_in, ncells
@@ -141,8 +170,12 @@ def test_runs_synthetic_in_every_format_beside_the_papers_numbers(
     assert {(c["synthetic"], c["source"], c["stand_in"]) for c in cells} == {
         (True, "synthetic stand-in", stand_in)
     }
-    assert all(c["mean"] is not None and c["paper"] is not None and c["store"] for c in cells)
     t = R.TABLES[name]
+    assert all(c["mean"] is not None and c["store"] for c in cells)
+    assert all(
+        (c["paper"] is not None) == (c["row"] in t.paper) for c in cells
+    )  # fedcopl-filtering's v v x: none
     for c in cells:
         col = [x.label for x in t.columns].index(c["column"])
-        assert c["paper"] == pytest.approx(t.paper[c["row"]][col] * t.paper_scale)
+        if c["row"] in t.paper:
+            assert c["paper"] == pytest.approx(t.paper[c["row"]][col] * t.paper_scale)

@@ -79,6 +79,8 @@ def copl_filter(
     *,
     conf_quantile: float = CONF_QUANTILE,
     ent_quantile: float = ENT_QUANTILE,
+    confidence: bool = True,
+    entropy: bool = True,
 ) -> torch.Tensor:
     """CoPL's estimation set, ``keep  # [N]`` bool: per client, the samples with
 
@@ -94,6 +96,9 @@ def copl_filter(
     (``.squeeze()`` makes the index 0-d, ``len()`` fails at line 434) -- here such a client simply keeps 0 / 1.
     A client with no rows keeps nothing.
 
+    ``confidence`` / ``entropy`` = False drop that condition (the paper's ablation, its "Confidence Filtering" /
+    "Entropy Filtering" columns; the released code has no such switch): with both off every sample is kept.
+
     >>> p = torch.tensor([[.9, .1], [.6, .4], [.7, .3]])
     >>> copl_filter(p).tolist()  # medians: max p 0.7, entropy H(.7, .3)
     [True, False, False]
@@ -108,7 +113,12 @@ def copl_filter(
     owner = _owner(seg, p.device)
     conf_thr = segment_quantile(mx.unsqueeze(1), seg, cq / 100)[:, 0]  # [clients]
     ent_thr = segment_quantile(ent.unsqueeze(1), seg, 1 - eq / 100)[:, 0]  # [clients]
-    return (mx > conf_thr[owner]) & (ent < ent_thr[owner])
+    keep = torch.ones_like(mx, dtype=torch.bool)
+    if confidence:
+        keep &= mx > conf_thr[owner]
+    if entropy:
+        keep &= ent < ent_thr[owner]
+    return keep
 
 
 def copl_counts(
@@ -272,11 +282,28 @@ class CoPL:
     n_clients: int | None = None  # obj_conf.client_num (main_UL.py:490); None: the number of segments
     conf_quantile: float = CONF_QUANTILE  # CONF_QUANTILE_CONFIDENCE, reference script (fedcopl.py:417)
     ent_quantile: float = ENT_QUANTILE  # CONF_QUANTILE_ENTROPY, reference script (fedcopl.py:418)
+    # the paper's ablation (../shared/papers/003_*, "Ablation Study": its "Confidence Filtering", "Entropy
+    # Filtering" and "Global Assignment" columns; the released code has none of the three switches). Off:
+    # confidence_filtering / entropy_filtering drop that condition of copl_filter (fedcopl.py:427's ``&``);
+    # global_assignment skips the server (copl_budget, main_UL.py:461-491): each client's quota is its own count
+    # n_{k,c} (its uploaded estimate, not reassigned; our reading: the paper leaves the un-assigned quota unstated)
+    confidence_filtering: bool = True
+    entropy_filtering: bool = True
+    global_assignment: bool = True
     name = "copl"
 
     def __call__(self, probs: torch.Tensor, segments=None) -> Selection:
-        keep = copl_filter(probs, segments, conf_quantile=self.conf_quantile, ent_quantile=self.ent_quantile)
+        keep = copl_filter(
+            probs,
+            segments,
+            conf_quantile=self.conf_quantile,
+            ent_quantile=self.ent_quantile,
+            confidence=self.confidence_filtering,
+            entropy=self.entropy_filtering,
+        )
         n = copl_counts(probs, keep, segments)
+        if not self.global_assignment:
+            return copl_select(probs, segments, n)
         total = probs.shape[0] if self.n_total_train is None else self.n_total_train
         budget = copl_budget(n, total, self.round_index, self.n_clients)
         return copl_select(probs, segments, budget)

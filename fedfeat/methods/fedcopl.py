@@ -87,6 +87,14 @@ class FedCoPLParams:
     # methods/unsupervised_learning_new/fedcopl.py:199-213 made once, methods/main_UL.py:527-545 never reset;
     # fedfeat.engine.rounds.run_carried, one client at a time). The reproduce rows run "carried".
     optimizer_state: Literal["fresh", "carried"] = "fresh"
+    # CoPL's ablation switches (pseudo=copl), named after the columns of the paper's filtering / assignment ablation
+    # (../shared/papers/003_*, "Ablation Study": "Confidence Filtering", "Entropy Filtering", "Global Assignment";
+    # the released code has no such switches; fedfeat.methods.copl.CoPL): false drops the median confidence /
+    # entropy condition of the estimation set (fedcopl.py:417-427), or the server's reassignment (main_UL.py:461-491;
+    # each client then takes its own estimated count per class, our reading). The table fedcopl-filtering runs them.
+    confidence_filtering: bool = True
+    entropy_filtering: bool = True
+    global_assignment: bool = True
 
     def validate(self) -> None:
         if self.local_epochs < 1 or self.batch_size < 1 or self.refresh < 1 or self.pseudo_k < 1:
@@ -110,6 +118,9 @@ def _check_readings(p) -> None:
         raise FedfeatError(
             f"fpl_select must be stream or topk, got {p.fpl_select!r}; e.g. --set fpl_select=topk"
         )
+    for k in COPL_SWITCHES:
+        if not isinstance(getattr(p, k, True), bool):
+            raise FedfeatError(f"{k} must be true or false, got {getattr(p, k)!r}; e.g. --set {k}=false")
     if getattr(p, "optimizer_state", "fresh") not in ("fresh", "carried"):
         raise FedfeatError(
             f"optimizer_state must be fresh or carried, got {p.optimizer_state!r}; e.g. --set optimizer_state=carried"
@@ -124,15 +135,22 @@ SELECTION_STATE: dict[str, str] = {
 }
 
 
+COPL_SWITCHES = ("confidence_filtering", "entropy_filtering", "global_assignment")
+
+
 def select(ctx: Context, probs: torch.Tensor, seg: torch.Tensor, p, refresh_index: int) -> None:
     """Pseudo-label every client's samples (``probs  # [N, K]``, client-major, ``seg`` the clients' offsets) with
     ``p.pseudo`` and record the selection in ``ctx.state`` (checkpointed): the kept rows' original positions, the
     selected layout's offsets and the hard labels."""
     from fedfeat.methods import pseudolabel as pl
 
-    params = (
-        {"round_index": refresh_index} if p.pseudo == "copl" else {"k": p.pseudo_k, "select": p.fpl_select}
-    )
+    if p.pseudo == "copl":
+        params = {"round_index": refresh_index}
+        for k in COPL_SWITCHES:  # FedCoPLParams' ablation switches (copl-linear has none: CoPL's defaults)
+            if hasattr(p, k):
+                params[k] = getattr(p, k)
+    else:
+        params = {"k": p.pseudo_k, "select": p.fpl_select}
     sel = pl.make_pseudo_labeller(p.pseudo, **params)(probs, seg)
     ctx.state["sel_orig"] = sel.rows.to(ctx.device)
     ctx.state["sel_offsets"] = sel.offsets.cpu()
