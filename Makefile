@@ -73,7 +73,7 @@ bench-gpu: ## on a GPU machine: make bench-gpu PY=python3 (batched vs loop, stac
 	PY=$(PY) bash scripts/device_wheels.sh install
 	PYTHONPATH=.:.devwheels/site $(PY) bench/bench_gpu.py --out bench/results/gpu.md $(BENCH_GPU_FLAGS)
 
-IDENTITY_BASE ?= b234b95
+IDENTITY_BASE ?= db2511c  # issue 35-37: copl-linear lr 1e-4; promptfl / fedtpg gain the `optimizer` param (results unchanged)
 identity: install ## the same commands and seeds give the same run directories as $(IDENTITY_BASE) (every method; ~5 min)
 	$(PY) scripts/check_identity.py --base $(IDENTITY_BASE)
 
