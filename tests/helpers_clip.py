@@ -427,6 +427,17 @@ def store_snapshot(path: Path, ignore_attrs=("created_at",)) -> dict:
     return snap
 
 
+def pixel_store(root: Path, n_train: int = 60, n_test: int = 20) -> Path:
+    """Fake CIFAR-10 (``n_train`` / ``n_test`` images) encoded by the tiny open_clip model with ``--pixels`` under
+    ``root``: the store the live-encoder methods (prompt learning, FedOTP's patches) read."""
+    tc = make_tiny_clip(root / "tiny")
+    fx = write_cifar10(root / "data" / "cifar-10-batches-py", n_train=n_train, n_test=n_test)
+    r = run_cli(["encode", "--dataset", "cifar10", "--root", fx.root, "--backbone", tc.config, "--pretrained",
+                 tc.weights, "--out", root / "px", "--device", "cpu", "--pixels"])  # fmt: skip
+    assert r.exit_code == 0, (r.output, r.exception)
+    return root / "px" / "cifar10" / f"{TINY_NAME}-tiny.zarr"
+
+
 def feature_and_prompt_stores(root: Path) -> dict:
     """Two small stores under ``root``: ``feature``, a synthetic store (4 classes, D = 16), and ``prompt``, fake
     CIFAR-10 encoded by the tiny open_clip model with pixels (the prompt methods' live encoders read it)."""

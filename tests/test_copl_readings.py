@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers_clip import TINY_NAME, make_tiny_clip, run_cli, write_cifar10
+from helpers_clip import pixel_store
 
 from fedfeat.errors import FedfeatError
 from fedfeat.methods import pseudolabel as pl
@@ -183,12 +183,7 @@ FAST = {
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     d = tmp_path_factory.mktemp("readings")
-    tc = make_tiny_clip(d / "tiny")
-    fx = write_cifar10(d / "data" / "cifar-10-batches-py", n_train=60, n_test=20)
-    r = run_cli(["encode", "--dataset", "cifar10", "--root", fx.root, "--backbone", tc.config, "--pretrained",
-                 tc.weights, "--out", d / "px", "--device", "cpu", "--pixels"])  # fmt: skip
-    assert r.exit_code == 0, (r.output, r.exception)
-    return d / "px" / "cifar10" / f"{TINY_NAME}-tiny.zarr"
+    return pixel_store(d)
 
 
 def _data(store):

@@ -400,3 +400,38 @@ def test_kernel_stable_argsort_keeps_ties_in_index_order():
     for n, hi in ((1, 5), (7, 3), (500, 40), (500, 2**62), (1000, 2)):
         k = rs.integers(0, hi, n).astype(np.int64)
         assert np.array_equal(kernels._stable_argsort(k), np.argsort(k, kind="stable")), (n, hi)
+
+
+# Every cached-feature method of the registry that CASES does not list, at its defaults (a small batch, short server
+# loops): batched = loop without an edit here when a method is added. Those that need other data say where their
+# equivalence is tested.
+ELSEWHERE = {
+    "fed-mp": "an open-vocabulary split; tests/test_fedmp.py",
+    "fedclip": "an open-vocabulary adapter; tests/test_fedmp.py",
+    "feddf": "a server set and a validation set apart from the clients'; tests/test_baselines_server.py",
+}
+# creff / clip2fl's server loops, small; the server-set methods' server data: the training split (the small store's
+# partition leaves no row unassigned)
+SHORT = {
+    "match_steps": "3",
+    "crt_epochs": "3",
+    "num_of_feature": "5",
+    "server_data": "train",
+    "val_data": "train",
+}
+
+
+def _registry_cases():
+    listed = {n for n, _ in CASES}
+    for name, cls in REGISTRY.items():
+        if cls.runs_on == "cache" and cls.federated and name not in listed and name not in ELSEWHERE:
+            yield name
+
+
+@pytest.mark.parametrize("name", sorted(_registry_cases()))
+def test_every_cached_feature_method_batched_equals_loop(small, name):
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(get_method(name).Params)}
+    sets = {k: v for k, v in {"batch_size": "16", **SHORT}.items() if k in fields}
+    test_batched_equals_loop(small, name, sets)

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers_clip import TINY_NAME, make_tiny_clip, run_cli, write_cifar10
+from helpers_clip import pixel_store
 from test_pfedprompt_fedopt import GLPOT, code_logits
 
 from fedfeat.encoders.live import load_live_text
@@ -147,12 +147,7 @@ def test_ot_logits_float32_and_float16_at_small_eps_equal_the_code_in_float64(ot
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     d = tmp_path_factory.mktemp("otp")
-    tc = make_tiny_clip(d / "tiny")
-    fx = write_cifar10(d / "data" / "cifar-10-batches-py", n_train=60, n_test=20)
-    r = run_cli(["encode", "--dataset", "cifar10", "--root", fx.root, "--backbone", tc.config, "--pretrained",
-                 tc.weights, "--out", d / "px", "--device", "cpu", "--pixels"])  # fmt: skip
-    assert r.exit_code == 0, (r.output, r.exception)
-    return d / "px" / "cifar10" / f"{TINY_NAME}-tiny.zarr"
+    return pixel_store(d)
 
 
 @pytest.mark.parametrize("eps", ["0.01", "0.005"])
