@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from helpers_clip import CIFAR10_NAMES, write_cifar10, write_cifar100, write_imagefolder, write_listfile
 from PIL import Image
+from test_data_domains import _registry_fixtures
 
 import fedfeat.data as data_pkg
 from fedfeat.data import open_dataset
@@ -202,6 +203,8 @@ FIXTURES: dict[str, Callable[[Path], Written]] = {
     "hf:": hf,
     "wds:": wds,
 }
+# the domain / CoOp-layout readers (coop, domainnet, domainfolder and its presets): their fixtures live with their tests
+FIXTURES.update(_registry_fixtures())
 
 # Readers whose missing- or empty-root error does not yet name the root and the layout: reader -> what it says.
 # Their test xfails while the gap lasts and fails once it is closed (then drop the entry).

@@ -21,7 +21,9 @@ def register(app: typer.Typer) -> None:
         dataset: Annotated[
             str,
             typer.Option(
-                help="Dataset format: cifar10, cifar100, cinic10, imagefolder, listfile, hf:NAME[:CONFIG] (a "
+                help="Dataset format: cifar10, cifar100, cinic10, imagefolder, listfile, coop (CoOp split_zhou_*.json), "
+                "domainnet, domainfolder (<domain>/<class>/<image>, FedCLIP's split; presets pacs, officehome, vlcs, "
+                "office-caltech10), hf:NAME[:CONFIG] (a "
                 "Hugging Face dataset saved with save_to_disk, or in the local datasets cache) or wds:PATTERN "
                 "(webdataset tar shards, e.g. wds:data/train-{000000..000001}.tar or a folder with train/, test/).",
                 show_default=False,
@@ -141,6 +143,15 @@ def register(app: typer.Typer) -> None:
                 show_default=False,
             ),
         ] = None,
+        domains: Annotated[
+            Optional[list[str]],
+            typer.Option(
+                help="domainnet, domainfolder, pacs, officehome, vlcs, office-caltech10: encode only these domains "
+                "(names separated by commas, or repeat the flag); the store is named <dataset>-<d1>+<d2>. Default: "
+                "every domain.",
+                show_default=False,
+            ),
+        ] = None,
         name: Annotated[
             Optional[str],
             typer.Option(
@@ -201,6 +212,7 @@ def register(app: typer.Typer) -> None:
                 "image_column": image_column,
                 "label_column": label_column,
                 "classnames": classnames,
+                "domains": domains or None,
             },
         )
         if int(os.environ.get("RANK", "0")) == 0:

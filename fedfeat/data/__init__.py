@@ -1,7 +1,8 @@
 """Image data as published: readers and class prompts. The bottom of the data flow.
 
 Owns the ``ImageDataset`` interface and its readers (CIFAR "python version" pickles through a restricted unpickler,
-ImageFolder trees, ``path label`` list files, ``hf:`` Hugging Face datasets and ``wds:`` webdataset shards), class
+ImageFolder trees, ``path label`` list files, CoOp split files and multi-domain layouts with each row's domain
+(``fedfeat.data.domains``), ``hf:`` Hugging Face datasets and ``wds:`` webdataset shards), class
 names as the datasets spell them, content fingerprints of the files read, and the prompt templates.
 
 May import: ``fedfeat.errors`` only. Nothing here knows of CLIP, stores or training.
@@ -17,14 +18,17 @@ from fedfeat.errors import FedfeatError
 
 __all__ = ["ImageDataset", "open_dataset"]
 
-OPTIONS = {"image_column": str, "label_column": str, "classnames": (str, os.PathLike)}  # hf: and wds: only
+OPTIONS = {"image_column": str, "label_column": str, "classnames": (str, os.PathLike),  # hf: and wds: only
+           "domains": (str, list, tuple)}  # multi-domain readers (``fedfeat.data.domains``): a subset  # fmt: skip
 
 
 def open_dataset(name: str, root: str | Path, options: dict | None = None) -> ImageDataset:
     """Open dataset format ``name`` at ``root`` (the layouts: ``fedfeat.data.files``' docstring).
 
     ``hf:NAME[:CONFIG]`` and ``wds:PATTERN`` (``fedfeat.data.hf``) resolve relative names against ``root``
-    and take ``options``: ``image_column``, ``label_column``, ``classnames`` (a class-name file).
+    and take ``options``: ``image_column``, ``label_column``, ``classnames`` (a class-name file). The
+    multi-domain readers (``domainnet``, ``domainfolder`` and its presets: ``fedfeat.data.domains``) take
+    ``domains``: a subset of their domains (a list, or names separated by commas).
 
     Example::
 
@@ -39,14 +43,20 @@ def open_dataset(name: str, root: str | Path, options: dict | None = None) -> Im
         if k not in OPTIONS:
             raise FedfeatError(f"unknown dataset option {k!r}; known: {', '.join(OPTIONS)}")
         if not isinstance(v, OPTIONS[k]):
-            want = "a path (str or os.PathLike)" if k == "classnames" else "a column name (str)"
-            raise FedfeatError(f"dataset option {k} = {v!r} must be {want}")
+            want = {"classnames": "a path (str or os.PathLike)", "domains": "domain names (a list or 'a,b')"}
+            raise FedfeatError(f"dataset option {k} = {v!r} must be {want.get(k, 'a column name (str)')}")
+    from fedfeat.data.files import DATASETS
+
+    if "domains" in opts:  # the multi-domain readers' option
+        takes = [n for n, c in DATASETS.items() if "domains" in c.options]
+        if DATASETS.get(name) is None or "domains" not in DATASETS[name].options:
+            raise FedfeatError(f"--domains applies to {', '.join(takes)} only, not to '{name}'; drop it")
     if name.startswith(("hf:", "wds:")):
         return _open_external(name, Path(root).expanduser(), **opts)
-    if opts:
-        flag = "--" + next(iter(opts)).replace("_", "-")
+    ours = {k: v for k, v in opts.items() if k in getattr(DATASETS.get(name), "options", ())}
+    if len(ours) < len(opts):
+        flag = "--" + next(k for k in opts if k not in ours).replace("_", "-")
         raise FedfeatError(f"{flag} applies to hf: and wds: datasets only, not to '{name}'; drop it")
-    from fedfeat.data.files import DATASETS
 
     if name not in DATASETS:
         raise FedfeatError(
@@ -55,7 +65,7 @@ def open_dataset(name: str, root: str | Path, options: dict | None = None) -> Im
     root = Path(root).expanduser()
     if not root.exists():
         raise FedfeatError(f"dataset root {root} does not exist; expected {DATASETS[name].layout}")
-    return DATASETS[name](root)
+    return DATASETS[name](root, **ours)
 
 
 def _open_external(

@@ -143,6 +143,10 @@ class ImageDataset:
 
     format: str = ""
     layout: str = ""  # the expected layout on disk, quoted in error messages
+    options: tuple[str, ...] = ()  # the ``open_dataset`` options (``domains``) the reader's constructor takes
+    domain_names: list[str] | None = (
+        None  # readers of multi-domain layouts: the domains, in their fixed order
+    )
 
     def __init__(self, root: Path):
         self.root = root
@@ -164,6 +168,11 @@ class ImageDataset:
                 f"{self.format} at {self.root} has no split '{split}'; it has: {', '.join(self._labels)}"
             )
         return self._labels[split]
+
+    def domains(self, split: str) -> np.ndarray | None:
+        """``[N]`` int64 index into ``domain_names`` of every row of ``split``; None for single-domain readers."""
+        self.labels(split)  # names an unknown split
+        return None
 
     def load_image(self, split: str, i: int) -> Image.Image:
         """Image ``i`` of ``split`` as RGB; raises ``UnreadableImage`` when it cannot be decoded."""
@@ -197,13 +206,20 @@ class ImageDataset:
     def fingerprint(self) -> dict:
         """What identifies the data: format, split sizes, class names and the files' names, sizes and
         contents."""
-        return {
+        out = {
             "format": self.format,
             "splits": {s: self.n(s) for s in self.split_names},
             "n_classes": len(self.class_names),
             "class_names": list(self.class_names),
             "files": _files_fingerprint(self.file_digests()),
         }
+        out.update(self.fingerprint_extra())
+        return out
+
+    def fingerprint_extra(self) -> dict:
+        """What else determines the rows beyond the files (multi-domain readers: the domains and the split
+        rule); empty for single-domain readers, whose fingerprints are unchanged by it."""
+        return {}
 
     def rows_of_files(self, names: set[str]) -> tuple[dict[str, np.ndarray], set[str]]:
         """Rows read from the files ``names``: ``({split: rows}, names that are not image sources)`` (for
@@ -213,3 +229,53 @@ class ImageDataset:
 
 def _split_key(name: str) -> tuple[int, str]:
     return (_SPLIT_ORDER.index(name) if name in _SPLIT_ORDER else len(_SPLIT_ORDER), name)
+
+
+# ---------------------------------------------------------------------------------------- files on disk
+class _FileDataset(ImageDataset):
+    """Datasets whose images are files: ``self._paths[split]`` holds paths relative to the root."""
+
+    def __init__(self, root: Path):
+        super().__init__(root)
+        self._paths: dict[str, list[str]] = {}
+        self._extra_files: list[str] = []
+
+    def _abs(self, split: str, i: int) -> Path:
+        p = Path(self._paths[split][i])
+        return p if p.is_absolute() else self.root / p
+
+    def load_image(self, split: str, i: int) -> Image.Image:
+        path = self._abs(split, i)
+        try:
+            with Image.open(path) as img:
+                img.load()
+                return img.convert("RGB")
+        except FileNotFoundError:
+            raise UnreadableImage(str(path), "file not found") from None
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+            raise UnreadableImage(str(path), f"{type(e).__name__}: {e}") from None
+
+    def item_name(self, split: str, i: int) -> str:
+        return self._paths[split][i]
+
+    def rows_of_files(self, names: set[str]) -> tuple[dict[str, np.ndarray], set[str]]:
+        rows, used = {}, set()
+        for split, paths in self._paths.items():
+            hit = [i for i, p in enumerate(paths) if p in names]
+            used.update(paths[i] for i in hit)
+            if hit:
+                rows[split] = np.asarray(hit, dtype=np.int64)
+        return rows, set(names) - used
+
+    def files(self) -> list[tuple[str, int]]:
+        names = set(self._extra_files)
+        for paths in self._paths.values():
+            names.update(paths)
+        return sorted((n, _size(self.root / n)) for n in names)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise FedfeatError(f"cannot read {path} ({e}); expected a UTF-8 text file") from None

@@ -2,20 +2,26 @@
 
 Formats (``fedfeat.data.open_dataset(name, root)``; ``hf:`` and ``wds:`` in ``fedfeat.data.hf``):
 
-==============  ==============================================================================================
-``cifar10``     the CIFAR-10 "python version" folder ``cifar-10-batches-py/``: ``data_batch_1`` ... ``_5``
-                (split ``train``), ``test_batch`` (``test``), class names from ``batches.meta``
-``cifar100``    the CIFAR-100 "python version" folder ``cifar-100-python/``: ``train``, ``test``; fine labels,
-                class names from ``meta`` (``fine_label_names``)
-``cinic10``     CINIC-10: ImageFolder trees ``train/``, ``valid/``, ``test/`` with one folder per class
-``imagefolder`` any ``root/<split>/<class>/<image>`` tree (the class set is the union over the splits)
-``listfile``    ``<split>.txt`` (or ``<prefix>_<split>.txt`` such as ``ImageNet_LT_train.txt``) files of
-                ``relative/path label`` lines, images resolved against ``root``, plus ``classnames.txt``
-                (or ``class_names.txt``): one class name per line in label order; a leading label number or
-                WordNet id (``n01440764 tench``) on every line is dropped
-``hf:NAME``     a Hugging Face ``datasets`` dataset saved with ``save_to_disk`` or in the local cache, and
-``wds:PATTERN`` webdataset tar shards: ``fedfeat.data.hf`` (the optional extra ``fedfeat[hf]``)
-==============  ==============================================================================================
+==================  ==============================================================================================
+``cifar10``         the CIFAR-10 "python version" folder ``cifar-10-batches-py/``: ``data_batch_1`` ... ``_5``
+                    (split ``train``), ``test_batch`` (``test``), class names from ``batches.meta``
+``cifar100``        the CIFAR-100 "python version" folder ``cifar-100-python/``: ``train``, ``test``; fine labels,
+                    class names from ``meta`` (``fine_label_names``)
+``cinic10``         CINIC-10: ImageFolder trees ``train/``, ``valid/``, ``test/`` with one folder per class
+``imagefolder``     any ``root/<split>/<class>/<image>`` tree (the class set is the union over the splits)
+``listfile``        ``<split>.txt`` (or ``<prefix>_<split>.txt`` such as ``ImageNet_LT_train.txt``) files of
+                    ``relative/path label`` lines, images resolved against ``root``, plus ``classnames.txt``
+                    (or ``class_names.txt``): one class name per line in label order; a leading label number or
+                    WordNet id (``n01440764 tench``) on every line is dropped
+``coop``            CoOp / Dassl few-shot benchmarks: ``split_zhou_<Name>.json`` (train / val / test lists of
+                    ``[path, label, classname]``) beside the dataset's image folder (``fedfeat.data.domains``)
+``domainnet``       DomainNet: ``<domain>/<class>/<image>`` with ``<domain>_train.txt`` / ``<domain>_test.txt``
+                    lists, every domain's rows (or ``--domains``) in one store, each row's domain recorded
+``domainfolder``    ``<domain>/<class>/<image>`` trees split per domain as FedCLIP does (train / val / test);
+                    presets ``pacs``, ``officehome``, ``vlcs``, ``office-caltech10`` (``fedfeat.data.domains``)
+``hf:NAME``         a Hugging Face ``datasets`` dataset saved with ``save_to_disk`` or in the local cache, and
+``wds:PATTERN``     webdataset tar shards: ``fedfeat.data.hf`` (the optional extra ``fedfeat[hf]``)
+==================  ==============================================================================================
 
 Class names have ``_`` replaced by a space. CIFAR pickles are read by a restricted unpickler that only admits
 what those files contain (dicts, lists, strings and numpy arrays): a data file never runs code.
@@ -44,7 +50,8 @@ from fedfeat.data.base import (
     _SPLIT_ORDER,
     IMG_EXTENSIONS,
     ImageDataset,
-    UnreadableImage,
+    _FileDataset,
+    _read_text,
     _size,
     _split_key,
     clean_class_name,
@@ -237,49 +244,6 @@ class Cifar100(_CifarBase):
     layout = "the CIFAR-100 python version folder cifar-100-python/ (train, test, meta)"
 
 
-# ---------------------------------------------------------------------------------------- files on disk
-class _FileDataset(ImageDataset):
-    """Datasets whose images are files: ``self._paths[split]`` holds paths relative to the root."""
-
-    def __init__(self, root: Path):
-        super().__init__(root)
-        self._paths: dict[str, list[str]] = {}
-        self._extra_files: list[str] = []
-
-    def _abs(self, split: str, i: int) -> Path:
-        p = Path(self._paths[split][i])
-        return p if p.is_absolute() else self.root / p
-
-    def load_image(self, split: str, i: int) -> Image.Image:
-        path = self._abs(split, i)
-        try:
-            with Image.open(path) as img:
-                img.load()
-                return img.convert("RGB")
-        except FileNotFoundError:
-            raise UnreadableImage(str(path), "file not found") from None
-        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-            raise UnreadableImage(str(path), f"{type(e).__name__}: {e}") from None
-
-    def item_name(self, split: str, i: int) -> str:
-        return self._paths[split][i]
-
-    def rows_of_files(self, names: set[str]) -> tuple[dict[str, np.ndarray], set[str]]:
-        rows, used = {}, set()
-        for split, paths in self._paths.items():
-            hit = [i for i, p in enumerate(paths) if p in names]
-            used.update(paths[i] for i in hit)
-            if hit:
-                rows[split] = np.asarray(hit, dtype=np.int64)
-        return rows, set(names) - used
-
-    def files(self) -> list[tuple[str, int]]:
-        names = set(self._extra_files)
-        for paths in self._paths.values():
-            names.update(paths)
-        return sorted((n, _size(self.root / n)) for n in names)
-
-
 def _list_images(d: Path) -> list[str]:
     return sorted(
         e.name
@@ -345,13 +309,6 @@ def _list_split_name(stem: str) -> str:
     parts = stem.lower().split("_")
     known = [x for x in parts if x in _SPLIT_ORDER]
     return known[-1] if known else parts[-1]
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise FedfeatError(f"cannot read {path} ({e}); expected a UTF-8 text file") from None
 
 
 def read_class_names(path: Path) -> list[str]:
@@ -447,3 +404,7 @@ DATASETS: dict[str, type[ImageDataset]] = {
     "imagefolder": ImageFolder,
     "listfile": ListFile,
 }
+
+from fedfeat.data.domains import DOMAIN_DATASETS  # noqa: E402  (domains.py imports only base.py)
+
+DATASETS.update(DOMAIN_DATASETS)

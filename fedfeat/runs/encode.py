@@ -94,9 +94,19 @@ def _dataset_name(dataset: str, root: Path, name: str | None) -> str:
         from fedfeat.data.external import default_store_name
 
         return default_store_name(dataset, root)
-    if dataset in ("imagefolder", "listfile"):  # generic formats: name the store after the data's folder
+    if dataset in ("imagefolder", "listfile", "coop", "domainfolder"):  # generic: named after the data's folder
         return root.expanduser().resolve().name or dataset
     return dataset
+
+
+def _with_domains(name: str, options: dict | None) -> str:
+    """``domainnet`` read with ``domains=["clipart", "sketch"]`` -> ``domainnet-clipart+sketch``: a subset of the
+    domains is another store, not a rebuild of the full one."""
+    doms = (options or {}).get("domains")
+    if not doms:
+        return name
+    items = [doms] if isinstance(doms, str) else list(doms)
+    return name + "-" + "+".join(d.strip() for x in items for d in str(x).split(",") if d.strip())
 
 
 # ---------------------------------------------------------------------------------------- data loading
@@ -284,7 +294,9 @@ def encode(
     ``pixels``: also keep every image as the model's uint8 input after its resize and centre crop (``[N, 3, H,
     W]``, chunked and checksummed like the features; the features are computed from exactly those pixels,
     normalised on the device) for the methods that re-encode images (``fedfeat.store.featurestore.FeatureStore.pixels``).
-    ``dataset_options``: ``image_column``, ``label_column``, ``classnames`` for ``hf:`` / ``wds:`` datasets.
+    ``dataset_options``: ``image_column``, ``label_column``, ``classnames`` for ``hf:`` / ``wds:`` datasets;
+    ``domains`` (a subset of the domains) for the multi-domain readers. Each row's domain, where the reader has
+    ``domain_names``, is recorded in the store (``FeatureStore.domains``).
     ``stats``: a dict to receive this rank's timings (``images``, ``image_seconds`` for reading, decoding,
     preprocessing, encoding and writing the chunks, ``model_seconds``, ``text_seconds``, ``total_seconds``).
 
@@ -341,7 +353,8 @@ def encode(
             "precision": precision,
             **({"pixels": True} if pixels else {}),
         }
-        path = store_path(out, _dataset_name(dataset, root, name), bb.name, weights.label)
+        store_name = name or _with_domains(_dataset_name(dataset, root, None), dataset_options)
+        path = store_path(out, store_name, bb.name, weights.label)
 
         decision = None
         if dist_ctx.rank == 0:  # rank 0 holds the store's lock for the whole job
@@ -394,6 +407,8 @@ def encode(
                 sources=_sources(ds),
                 overwrite=action == "recreate",
                 pixels=_pixel_spec(clip) if pixels else None,
+                domain_names=ds.domain_names,
+                domains={s: ds.domains(s) for s in ds.split_names} if ds.domain_names is not None else None,
             )
         elif dist_ctx.rank == 0 and action == "refresh":
             # done entries cleared first, fingerprint last: a run killed in between redoes the same steps

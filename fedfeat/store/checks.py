@@ -10,7 +10,7 @@ import numpy as np
 import zarr
 
 from fedfeat.errors import FedfeatError  # noqa: F401
-from fedfeat.store.format import FORMAT_VERSION, fingerprint_hash
+from fedfeat.store.format import FORMAT_VERSION, fingerprint_hash, longtail_counts
 from fedfeat.store.format import short as _short
 
 
@@ -34,7 +34,7 @@ class AttrCheck:
     # the dtypes format version 2 writes: name (split arrays under <split>/) -> dtype
     DTYPES = {
         "features": "float16", "labels": "int64", "labels_crc": "uint64", "done": "uint64",
-        "pixels": "uint8", "pixels_crc": "uint64",
+        "pixels": "uint8", "pixels_crc": "uint64", "domains": "int16", "domains_crc": "uint64",
     }  # fmt: skip
 
     def __init__(self, st):
@@ -104,6 +104,9 @@ class AttrCheck:
         if "fingerprint_hash" in a and not isinstance(a["fingerprint_hash"], str):
             self.junk("fingerprint_hash", a["fingerprint_hash"], "a string")
         px = self.pixel_spec()
+        doms = a.get("domain_names")
+        if doms is not None and not _is_str_list(doms):
+            self.junk("domain_names", doms, "a non-empty list of strings (one per domain)")
         for split, n in splits.items():
             self.split_arrays(split, n, D, cr, px)
         self.text_arrays(T, K, D)
@@ -156,6 +159,12 @@ class AttrCheck:
             want |= {"pixels": (n, 3, *px), "pixels_crc": (n_chunks,)}
         elif "pixels" in st._g[split] or "pixels_crc" in st._g[split]:
             self.out.append(f"array {split}/pixels exists, but the store has no attribute pixels")
+        if "domain_names" in self.a and "domains" not in st._g[split]:
+            self.lie("domain_names", self.a["domain_names"], f"split {split} has no domains array")
+        elif "domain_names" in self.a:
+            want |= {"domains": (n,), "domains_crc": (1,)}
+        elif "domains" in st._g[split] or "domains_crc" in st._g[split]:
+            self.out.append(f"array {split}/domains exists, but the store has no attribute domain_names")
         for name, shape in want.items():
             arr = self.array(f"{split}/{name}")
             if arr is None:
@@ -164,8 +173,8 @@ class AttrCheck:
             have = tuple(arr.shape)
             if None in shape or have == shape:
                 continue
-            if name == "labels":
-                self.lie(f"splits.{split}", n, f"{split}/labels has {have[0] if have else 0} rows")
+            if name in ("labels", "domains"):
+                self.lie(f"splits.{split}", n, f"{split}/{name} has {have[0] if have else 0} rows")
             elif name in ("done", "pixels_crc"):
                 says = f"{split}/{name} has {list(have)} entries (one per chunk of {n} rows: {n_chunks} expected)"
                 self.lie("chunk_rows", cr, says)
@@ -230,6 +239,19 @@ class AttrCheck:
                     r = int(bad[0])
                     says = f"{split}/labels holds label {int(lab[r])} at row {r} (class ids are 0..{K - 1}, -1 marks a"
                     self.lie("class_names", _Said(f"{K} classes"), says + " skipped image)")
+            doms = a.get("domain_names")
+            if _is_str_list(doms) and "domains" in st._g[split]:
+                try:
+                    dom = np.asarray(st._g[f"{split}/domains"][:])
+                except Exception:
+                    dom = np.zeros(0, dtype=np.int16)  # the checksum pass names it
+                bad = np.flatnonzero((dom < 0) | (dom >= len(doms)))
+                if len(bad):
+                    r = int(bad[0])
+                    says = (
+                        f"{split}/domains holds domain {int(dom[r])} at row {r} (ids are 0..{len(doms) - 1})"
+                    )
+                    self.lie("domain_names", _Said(f"{len(doms)} domains"), says)
             if isinstance(skipped, dict):
                 names = skipped.get(split, [])
                 marked = int((lab == -1).sum())
@@ -311,10 +333,16 @@ class AttrCheck:
         for split, per in (("train", "train_per_class"), ("test", "test_per_class")):
             if split in splits and _is_int(fp.get(per)) and _is_int(fp.get("classes")):
                 want = fp[per] * fp["classes"]
+                says = f"fingerprint's {per} x classes = {fp[per]} x {fp['classes']} = {want}"
+                if split == "train" and fp.get("train_min"):  # a long tail (SynthParams.train_min)
+                    if _is_int(fp["train_min"]):
+                        want = int(longtail_counts(fp["classes"], fp[per], fp["train_min"]).sum())
+                    says = f"fingerprint's long tail ({fp[per]} .. {fp['train_min']} per class) = {want}"
                 if splits[split] != want:
-                    says = f"fingerprint's {per} x classes = {fp[per]} x {fp['classes']} = {want}"
                     self.lie(f"splits.{split}", splits[split], says)
         sp = self.a.get("synth_params")
+        if isinstance(sp, dict):  # train_min 0 (balanced) is recorded by its absence (SynthParams.train_min)
+            sp = {k: v for k, v in sp.items() if not (k == "train_min" and not v)}
         if isinstance(sp, dict) and sp != {k: v for k, v in fp.items() if k != "generator"}:
             diff = sorted(k for k in set(sp) | set(fp) - {"generator"} if sp.get(k) != fp.get(k))
             have = ", ".join(f"{k}: {sp.get(k)!r}" for k in diff[:3])

@@ -6,6 +6,9 @@ Layout (``FORMAT_VERSION`` 2)::
       <split>/features  [N, D] float16   unnormalised embeddings, row chunks of >= 1 MiB, zstd-1
       <split>/labels    [N]    int64     class ids; -1 marks a row skipped as unreadable (``encode --skip-bad``)
       <split>/labels_crc [1]   uint64    DONE_BIT | crc32 of the labels' bytes
+      <split>/domains   [N]    int16     optional (multi-domain datasets, attribute "domain_names"): each row's index
+                                         into domain_names; written with the labels at create time
+      <split>/domains_crc [1]  uint64    DONE_BIT | crc32 of the domains' bytes
       <split>/done      [n_chunks] uint64  0 = pending; DONE_BIT | crc32 of the chunk's float16 bytes once that
                                          feature chunk is written whole (one file per entry)
       text/features     [T, K, D] float16  one class embedding per template x class
@@ -160,6 +163,8 @@ class FeatureStore(StoreWriting, StoreReading, StorePartitions):
         sources: dict | None = None,
         overwrite: bool = False,
         pixels: dict | None = None,
+        domains: dict[str, np.ndarray] | None = None,
+        domain_names: list[str] | None = None,
     ) -> FeatureStore:
         """Create an empty, incomplete store with its labels written and its feature chunks pending.
 
@@ -168,6 +173,8 @@ class FeatureStore(StoreWriting, StoreReading, StorePartitions):
         ``sources``: ``{file name: [size, content hash]}`` of the dataset files (``encode``).
         ``pixels``: ``{"size": [H, W], "mean": [3], "std": [3]}`` to also keep every image as the model's uint8 input
         after its resize and centre crop (``encode --pixels``; live image methods read them).
+        ``domain_names`` and ``domains`` (``{split: [N] ints into domain_names}``, every split): each row's domain
+        (multi-domain datasets); stores without them have neither the attribute nor the arrays.
         """
         if not isinstance(overwrite, bool):
             raise FedfeatError(f"overwrite must be True or False, got {_short(overwrite)}")
@@ -193,6 +200,11 @@ class FeatureStore(StoreWriting, StoreReading, StorePartitions):
             "complete": False,
         }
         attrs.update(extra_attrs or {})
+        if domain_names is not None:
+            doms = _domain_arrays(domains, domain_names, labels)
+            attrs["domain_names"] = [str(d) for d in domain_names]
+        elif domains is not None:
+            raise FedfeatError("domains were given without domain_names; pass both or neither")
         if pixels is not None:
             attrs["pixels"] = {"size": [int(v) for v in pixels["size"]], "mean": [float(v) for v in pixels["mean"]],
                                "std": [float(v) for v in pixels["std"]]}  # fmt: skip
@@ -214,6 +226,10 @@ class FeatureStore(StoreWriting, StoreReading, StorePartitions):
             sg.create_array("labels", shape=(n,), chunks=(max(n, 1),), dtype="int64", fill_value=-1)
             sg.create_array("labels_crc", shape=(1,), chunks=(1,), dtype="uint64", fill_value=0)
             st._write_labels(split, lab)
+            if domain_names is not None:
+                sg.create_array("domains", shape=(n,), chunks=(n,), dtype="int16", fill_value=-1)
+                sg.create_array("domains_crc", shape=(1,), chunks=(1,), dtype="uint64", fill_value=0)
+                st._write_domains(split, doms[split])
             sg.create_array(
                 "done", shape=(math.ceil(n / chunk_rows),), chunks=(1,), dtype="uint64", fill_value=0
             )
@@ -446,6 +462,12 @@ class FeatureStore(StoreWriting, StoreReading, StorePartitions):
         return len(self._attrs["class_names"])
 
     @property
+    def domain_names(self) -> list[str] | None:
+        """The domains of a multi-domain store (``domains(split)`` indexes them); None for other stores."""
+        names = self._attrs.get("domain_names")
+        return list(names) if names is not None else None
+
+    @property
     def templates(self) -> list[str]:
         return list(self._attrs["templates"])
 
@@ -493,6 +515,32 @@ class FeatureStore(StoreWriting, StoreReading, StorePartitions):
             "bytes_on_disk": size,
             "partitions": {k: self.partition_info(k) for k in self.partition_keys()},
         }
+
+
+def _domain_arrays(domains, names, labels: dict) -> dict[str, np.ndarray]:
+    """``domains`` checked against ``names`` and the splits: ``{split: [N] int16}``, else one line."""
+    if not (isinstance(names, (list, tuple)) and names and all(isinstance(d, str) and d for d in names)):
+        raise FedfeatError(f"domain_names must be a non-empty list of names, got {_short(names)}")
+    if len(names) > np.iinfo(np.int16).max:
+        raise FedfeatError(f"{len(names)} domains; a store records at most {np.iinfo(np.int16).max}")
+    if not isinstance(domains, dict) or set(domains) != set(labels):
+        have = sorted(domains) if isinstance(domains, dict) else _short(domains)
+        raise FedfeatError(
+            f"domains must give every split ({', '.join(labels)}) its rows' domains, got {have}"
+        )
+    out = {}
+    for split, lab in labels.items():
+        d = np.asarray(domains[split])
+        if d.shape != (len(lab),) or (d.size and d.dtype.kind not in "iu"):
+            raise FedfeatError(
+                f"domains of split '{split}' must be {len(lab)} integers, got shape {list(d.shape)}"
+            )
+        if d.size and (d.min() < 0 or d.max() >= len(names)):
+            raise FedfeatError(
+                f"domains of split '{split}' hold ids outside 0..{len(names) - 1} (the domain_names)"
+            )
+        out[split] = d.astype(np.int16)
+    return out
 
 
 def _fs_of(loc: Path | str):

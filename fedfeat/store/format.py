@@ -21,3 +21,15 @@ def short(v, n: int = 60) -> str:
 
 
 __all__ = ["FORMAT_VERSION", "fingerprint_hash", "short"]
+
+
+def longtail_counts(classes: int, per_class: int, minimum: int):
+    """Training images per class of a synthetic store (``fedfeat.store.synth.SynthParams``): ``per_class`` each where
+    ``minimum`` is 0, else the exponential long tail of Cui et al. 2019 (CIFAR-LT's profile) from ``per_class``
+    (class 0) down to ``minimum`` (class K - 1): ``round(per_class * (minimum / per_class) ** (k / (K - 1)))``."""
+    import numpy as np
+
+    if not minimum:
+        return np.full(classes, per_class, dtype=np.int64)
+    k = np.arange(classes) / max(classes - 1, 1)
+    return np.maximum(np.round(per_class * (minimum / per_class) ** k), 1).astype(np.int64)

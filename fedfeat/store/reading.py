@@ -117,6 +117,21 @@ class StoreReading:
             )
         return lab
 
+    def domains(self, split: str) -> np.ndarray | None:
+        """``[N]`` int64 index into ``domain_names`` of every row of ``split`` (multi-domain stores), checked against
+        its checksum; None for a store without domains."""
+        self._check_split(split)
+        if self._attrs.get("domain_names") is None:
+            return None
+        dom = self._read(f"{split}/domains")
+        entry = int(self._read(f"{split}/domains_crc")[0])
+        if entry != DONE_BIT | crc(np.ascontiguousarray(dom, dtype=np.int16)):
+            raise self._damaged(
+                f"{split}/domains (rows 0-{len(dom) - 1}) does not match its checksum "
+                "(chunk file missing, truncated or changed)"
+            )
+        return dom.astype(np.int64)
+
     def text_features(self) -> np.ndarray:
         """``[T, K, D]`` float16 class-prompt embeddings, unnormalised; verified like ``features``."""
         text = self._read("text/features")
@@ -143,6 +158,7 @@ class StoreReading:
         checked = {"chunks": 0, "rows": 0}
         for split in self.splits:
             self.labels(split)
+            self.domains(split)
             done = self._done(split)
             for i in np.flatnonzero(done != 0) if not self.complete else range(len(done)):
                 sl = self.chunk_slice(split, int(i))

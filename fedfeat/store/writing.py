@@ -94,6 +94,11 @@ class StoreWriting:
         self._g[f"{split}/labels"][:] = labels
         self._g[f"{split}/labels_crc"][0] = DONE_BIT | crc(labels)
 
+    def _write_domains(self, split: str, domains: np.ndarray) -> None:
+        domains = np.ascontiguousarray(domains, dtype=np.int16)
+        self._g[f"{split}/domains"][:] = domains
+        self._g[f"{split}/domains_crc"][0] = DONE_BIT | crc(domains)
+
     def set_labels(self, split: str, rows: slice, labels: np.ndarray) -> None:
         """Overwrite labels of ``rows`` (used to mark unreadable images with -1); one process only."""
         full = self.labels(split).copy()
