@@ -16,7 +16,14 @@ from fedfeat.cli.app import app
 from fedfeat.runs import reproduce as R
 
 runner = CliRunner()
-NEW = ("clip2fl-table3", "fed-mp-table2", "fed-mp-table2-f1", "fedcopl-aggregation", "fedcopl-filtering")
+NEW = (
+    "clip2fl-table2",
+    "clip2fl-table3",
+    "fed-mp-table2",
+    "fed-mp-table2-f1",
+    "fedcopl-aggregation",
+    "fedcopl-filtering",
+)
 
 
 @pytest.fixture()
@@ -30,6 +37,8 @@ def tiny(monkeypatch):
         ("caltech101", "ViT-L-14-336"): dict(classes=102, **sh),
         ("ucf101", "ViT-L-14-336"): dict(classes=101, **sh),
         ("dtd", "ViT-B-32"): dict(classes=47, train_per_class=20, test_per_class=5, dim=32, s=0.15),
+        # a long tail 150 .. 5 over 30 classes: Many (> 100) 4, Medium 14, Few (< 20) 12 classes (150 (1/30)^(k/29))
+        ("imagenet-lt", "ViT-B-32"): dict(classes=30, train_per_class=150, train_min=5, test_per_class=4, dim=32),
     })  # fmt: skip
     fast = {
         "num_features": "2",
@@ -38,9 +47,14 @@ def tiny(monkeypatch):
         "local_epochs": "1",
         "grad_repeats": "1",
     }
-    t = R.TABLES["clip2fl-table3"]
-    rows = [dataclasses.replace(r, params={**r.params, **fast}) for r in t.rows]
-    monkeypatch.setitem(R.TABLES, "clip2fl-table3", dataclasses.replace(t, rows=rows))
+    for name in ("clip2fl-table2", "clip2fl-table3"):
+        t = R.TABLES[name]
+        rows = [dataclasses.replace(r, params={**r.params, **fast}) if r.method in ("creff", "clip2fl") else r
+                for r in t.rows]  # fmt: skip
+        # FedDF's validation split (5,000 rows) would take the whole tiny stand-in (clip2fl-table2: server_data=train)
+        rows = [dataclasses.replace(r, params={**r.params, "val_size": "200"}) if r.method == "feddf" else r
+                for r in rows]  # fmt: skip
+        monkeypatch.setitem(R.TABLES, name, dataclasses.replace(t, rows=rows))
     import fedfeat.runs.standin as standin
 
     monkeypatch.setattr(standin, "LIVE_TRAIN", 10)  # the live stand-in's images per class (FedCoPL's rows)
@@ -141,7 +155,8 @@ def _run(name, fmt, tmp_path):
 
 @pytest.mark.parametrize(
     ("name", "papers", "stand_in", "ncells"),
-    [("clip2fl-table3", ["(70.55)", "(72.20)", "(73.37)", "(34.67)", "(35.88)", "(37.56)"], "features", 6),
+    [("clip2fl-table2", ["(23.85)", "(34.92)", "(19.18)", "(7.10)", "(27.72)", "(24.80)"], "features", 40),
+     ("clip2fl-table3", ["(70.55)", "(72.20)", "(73.37)", "(34.67)", "(35.88)", "(37.56)"], "features", 6),
      ("fed-mp-table2", ["(99.36 ± 0.10)", "(98.57 ± 0.29)", "(93.32 ± 1.97)", "(88.18 ± 1.00)"], "features", 6),
      ("fed-mp-table2-f1", ["(98.76 ± 0.20)", "(97.90 ± 0.38)", "(92.38 ± 1.74)", "(87.02 ± 1.27)"], "features", 6),
      ("fedcopl-aggregation", ["(50.45)", "(47.34)", "(55.31)", "(60.89)"], "live", 4),
@@ -179,3 +194,51 @@ def test_runs_synthetic_in_every_format_beside_the_papers_numbers(
         col = [x.label for x in t.columns].index(c["column"])
         if c["row"] in t.paper:
             assert c["paper"] == pytest.approx(t.paper[c["row"]][col] * t.paper_scale)
+
+
+def test_imagenet_lt_table_reads_one_set_of_runs_four_ways(tiny, tmp_path, monkeypatch):
+    """CLIP2FL Table 2: the All / Many / Medium / Few columns are the same runs' final_acc / many_acc / medium_acc /
+    few_acc (one run per row and seed, not four), grouped by the paper's thresholds (> 100, 20-100, < 20 training
+    images: its "Results on ImageNet-LT" paragraph) over a long-tailed stand-in."""
+    import numpy as np
+
+    from fedfeat.store.featurestore import FeatureStore
+
+    t = R.TABLES["clip2fl-table2"]
+    assert [(c.label, c.metric) for c in t.columns] == [
+        ("All", "final_acc"), ("Many", "many_acc"), ("Medium", "medium_acc"), ("Few", "few_acc")]  # fmt: skip
+    assert t.fixed["shot_thresholds"] == "100,20" and {c.settings["alpha"] for c in t.columns} == {0.1}
+    assert "imbalance_factor" not in t.columns[0].settings  # ImageNet-LT is long-tailed as published
+    assert [
+        r.label for r in t.rows if r.method is None
+    ] == []  # every row runs (no FedBE / FedNova in Table 2)
+    monkeypatch.chdir(tmp_path)
+    cells = json.loads(_run("clip2fl-table2", "json", tmp_path))
+    st = FeatureStore.open(tmp_path / "cache" / "synth-imagenet-lt-vit-b-32.zarr")
+    counts = np.bincount(st.labels("train"), minlength=30)
+    assert counts[0] == 150 and counts[-1] == 5 and list(counts) == sorted(counts, reverse=True)
+    assert ((counts > 100).sum(), ((counts >= 20) & (counts <= 100)).sum(), (counts < 20).sum()) == (
+        4,
+        14,
+        12,
+    )
+    runs = sorted((tmp_path / "runs" / "clip2fl-table2").glob("*/summary.json"))
+    assert len(runs) == len(t.rows)  # one run per row (1 seed), read by the four columns
+    by = {(c["row"], c["column"]): c for c in cells}
+    for row in t.rows:
+        assert {c["metric"] for (r, _), c in by.items() if r == row.label} == {
+            "final_acc", "many_acc", "medium_acc", "few_acc"}  # fmt: skip
+        assert len({by[(row.label, col.label)]["store"] for col in t.columns}) == 1
+    fedavg = [json.loads(p.read_text()) for p in runs]
+    fedavg = [s for s in fedavg if s["method"] == "fedavg"][0]
+    for col, key in (
+        ("All", "final_acc"),
+        ("Many", "many_acc"),
+        ("Medium", "medium_acc"),
+        ("Few", "few_acc"),
+    ):
+        assert by[("FedAvg", col)]["mean"] == pytest.approx(fedavg[key])
+    # the groups are the test images of each group's classes: All is their test-size-weighted mean (4 per class)
+    w = np.array([4, 14, 12]) / 30
+    parts = [fedavg["many_acc"], fedavg["medium_acc"], fedavg["few_acc"]]
+    assert fedavg["final_acc"] == pytest.approx(float(np.dot(w, parts)), abs=1e-9)

@@ -165,3 +165,37 @@ def fingerprint_check(tower: TextTower, store, min_cosine: float = MIN_COSINE) -
 
 
 __all__ = ["LiveText", "load_live_text", "fingerprint_check"]
+
+
+def _count_params(oc, config: dict) -> int:
+    """Parameters of open_clip's model for ``config`` (both towers), built on the meta device: no memory, no
+    weights, no download."""
+    from open_clip.model import CLIP, CustomTextCLIP
+
+    cls = (
+        CustomTextCLIP if config.get("custom_text") or "hf_model_name" in config.get("text_cfg", {}) else CLIP
+    )
+    cfg = {k: v for k, v in config.items() if k != "custom_text"}
+    with torch.device("meta"):
+        model = cls(**cfg)
+    return int(sum(p.numel() for p in model.parameters()))
+
+
+def encoder_params(store) -> int:
+    """Parameters of the frozen CLIP ``store`` was encoded with (its recorded architecture, ``_backbone``), e.g.
+    427,944,193 for ViT-L-14-336: the denominator of a method's share of trainable parameters."""
+    from fedfeat.encoders.remedy import import_open_clip
+
+    oc = import_open_clip()
+    return _count_params(oc, _backbone(oc, store).config)
+
+
+def backbone_params(name: str) -> int | None:
+    """Parameters of open_clip's registered architecture ``name`` (None where it is not registered here)."""
+    from fedfeat.encoders.remedy import import_open_clip
+
+    oc = import_open_clip()
+    name = name.removesuffix("-quickgelu") if name not in oc.list_models() else name
+    if name not in oc.list_models():
+        return None
+    return _count_params(oc, oc.get_model_config(name))

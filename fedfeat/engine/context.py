@@ -219,6 +219,18 @@ class RoundPlan:
         """Clients still training at ``step`` of an epoch (a prefix of the client axis)."""
         return int((self.steps > step).sum())
 
+    @property
+    def images(self) -> int:
+        """Training images the round's clients process: each client's samples x local epochs (summary.json's
+        ``seconds_per_image`` divides the rounds' training time by their sum)."""
+        return int(self.sizes.sum()) * int(self.epochs)
+
+
+def trainable_params(cparams: dict[str, torch.Tensor], m: int) -> int:
+    """Parameters one client trains: the elements of its slice of the round's client parameters ``{name: [m, ...]}``
+    (the global parameters it starts from and its own, e.g. Fed-MP's residuals); 0 in a round without clients."""
+    return int(sum(v.numel() for v in cparams.values()) // m) if m else 0
+
 
 COMPILED_SAMPLING_FROM = (
     4096  # clients from which sample_clients runs numpy's choice compiled (the same draws)

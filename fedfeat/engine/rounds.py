@@ -54,6 +54,7 @@ from fedfeat.engine.context import (
     masked_mean,
     param_bytes,
     round_buffer,
+    trainable_params,
 )
 from fedfeat.engine.data import RunData, build_context, load_run_data
 from fedfeat.errors import FedfeatError
@@ -599,6 +600,8 @@ def _run(
                 "bytes_up": up,
                 "bytes_down": down,
                 "train_seconds": train_seconds,
+                "images": plan.images,
+                "trainable_params": trainable_params(cparams, plan.m),
             },
         )
         if (

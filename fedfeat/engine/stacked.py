@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from fedfeat.engine.context import make_plan, param_bytes, state_for
+from fedfeat.engine.context import make_plan, param_bytes, state_for, trainable_params
 from fedfeat.engine.data import RunData, build_context
 from fedfeat.engine.rounds import TorchLocal, check_finite, evaluate
 from fedfeat.errors import FedfeatError
@@ -176,6 +176,8 @@ def run_stacked_rounds(
                 "bytes_up": methods[r].upload_bytes(ctxs[r], plans[r], cparams[r]),
                 "bytes_down": plans[r].m * param_bytes(methods[r].broadcast(ctxs[r], globs[r])),
                 "train_seconds": train_seconds,
+                "images": plans[r].images,
+                "trainable_params": trainable_params(cparams[r], plans[r].m),
             }
         record(rnd, list(extra), extra, t0)
     for r in range(R):

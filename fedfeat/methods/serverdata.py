@@ -148,6 +148,11 @@ def draw_set(
     if exclude is not None and len(exclude):
         rows = np.setdiff1d(rows, exclude, assume_unique=False)
     if not len(rows):
+        if exclude is not None and len(exclude):  # the validation split, drawn first, took every row
+            raise FedfeatError(
+                f"{field}={spec}: the validation split's {len(exclude)} rows leave none for the distillation; pass "
+                "a smaller --set val_size=... or --set early_stopping=none"
+            )
         raise FedfeatError(
             f"{field}={spec}: the server has no data (no training row is left for it); {_fix(field)}"
         )

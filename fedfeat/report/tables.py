@@ -399,7 +399,7 @@ def _curve_keys(runs) -> list[str]:
             for k, v in row.items():
                 if k != "round" and isinstance(v, (int, float)) and not isinstance(v, bool):
                     keys[k] = None
-    skip = ("bytes_up", "bytes_down", "seconds", "train_seconds", "train_loss")
+    skip = ("bytes_up", "bytes_down", "seconds", "train_seconds", "train_loss", "images", "trainable_params")
     return [k for k in keys if k not in skip] + [k for k in skip if k in keys]
 
 

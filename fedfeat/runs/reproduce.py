@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -79,6 +80,9 @@ class Column:
     dataset: str
     label: str
     settings: dict  # partition settings of this column
+    # the summary.json key this column reports ("" : the table's ``metric``): CLIP2FL Table 2's All / Many / Medium /
+    # Few columns are one set of runs read four ways; columns of the same dataset and settings share their runs
+    metric: str = ""
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,56 @@ _PER_DATASET = {
     "cpl": _cpl_params,
     "fedmp": _fedmp_params,
 }  # the names a table row's ``per_dataset`` may give
+
+
+# how ours is printed, by metric (default: ".2f", accuracies in %): seconds per image are ~1e-5 on cached features,
+# trainable-parameter shares below 0.01 %
+OURS_FORMAT = {"seconds_per_image": ".3g", "trainable_share": ".4f"}
+
+
+@functools.lru_cache(maxsize=64)
+def _frozen_params(store: str | None, backbone: str) -> int | None:
+    """The frozen CLIP's parameter count for a run on ``store``: its encoder's (``fedfeat.encoders.live``), or for a
+    feature stand-in (``fedfeat synth``: no encoder) the table's ``backbone``'s, which the stand-in is shaped like."""
+    from fedfeat.encoders.live import backbone_params, encoder_params
+
+    if store is not None:
+        from fedfeat.store.featurestore import FeatureStore
+
+        try:
+            st = FeatureStore.open(store)
+        except FedfeatError:
+            st = None
+        if st is not None and st.attrs.get("backbone") not in (None, "synthetic"):
+            return encoder_params(st)
+    return backbone_params(backbone)
+
+
+def derived_metric(table: Table, key: str, summary: dict):
+    """A cell's value from a run's summary: the key itself, or a figure derived from it --
+    ``trainable_share``: ``100 x trainable_params / (trainable_params + frozen CLIP's parameters)`` (Fed-MP Table 3's
+    "ratio of trainable parameters"; ``_frozen_params``). None where the run records none."""
+    if key != "trainable_share":
+        return summary.get(key)
+    n = summary.get("trainable_params")
+    if n is None:
+        return None
+    total = _frozen_params(summary.get("store"), table.backbone)
+    return None if total is None else 100.0 * n / (n + total)
+
+
+def metric_of(table: Table, c: int) -> str:
+    """The summary.json key column ``c`` reports: its own ``metric``, else the table's."""
+    return table.columns[c].metric or table.metric
+
+
+def _metrics_text(table: Table) -> str:
+    """The metric(s) of the table's columns: ``final_acc``, or ``All: final_acc, Many: many_acc, ...`` where the
+    columns report different keys."""
+    keys = [metric_of(table, c) for c in range(len(table.columns))]
+    if len(set(keys)) == 1:
+        return keys[0]
+    return ", ".join(f"{col.label}: {k}" for col, k in zip(table.columns, keys))
 
 
 def _row(spec: dict) -> Row:
@@ -270,7 +324,7 @@ def find_store(
     error naming it and what is wrong -- never a table of n/a."""
     if synthetic:
         from fedfeat.store.featurestore import FeatureStore, fingerprint_hash
-        from fedfeat.store.synth import SynthParams, write_synthetic_store
+        from fedfeat.store.synth import SynthParams, synth_fingerprint, write_synthetic_store
         from fedfeat.store.urls import is_store
 
         params = SynthParams(**SYNTH_SHAPES[(dataset, backbone)])
@@ -282,7 +336,7 @@ def find_store(
                 raise FedfeatError(
                     f"stand-in {e}; delete it (it is rebuilt) or pass another --store-root"
                 ) from None
-            want = fingerprint_hash({"generator": "fedfeat.store.synth", **dataclasses.asdict(params)})
+            want = fingerprint_hash(synth_fingerprint(params))
             if st.complete and st.attrs.get("fingerprint_hash") != want:
                 raise FedfeatError(
                     f"{path} is not the stand-in this table needs (another synthetic store, or other parameters); "
@@ -415,12 +469,17 @@ def points(
     ]  # the tables report final metrics: evaluate at rounds 0 and last only
     for r, row in enumerate(table.rows):
         done_ds: dict[str, list[int]] = {}
+        done_col: dict[tuple, list[int]] = {}  # columns of one dataset and settings (other metrics) share runs
         for c, col in enumerate(table.columns):
             if (c in skip and not row.once_per_dataset) or (r, c) in blocked:
                 where[(r, c)] = []
                 continue
             if row.once_per_dataset and col.dataset in done_ds:
                 where[(r, c)] = done_ds[col.dataset]
+                continue
+            same = (col.dataset, repr(sorted(col.settings.items())))
+            if same in done_col:
+                where[(r, c)] = done_col[same]
                 continue
             params = {**row.params, **(row.per_dataset(col.dataset) if row.per_dataset else {})}
             idx = []
@@ -436,6 +495,7 @@ def points(
                 idx.append(len(pts))
                 pts.append((settings, dict(params)))
             where[(r, c)] = idx
+            done_col[same] = idx
             if row.once_per_dataset:
                 done_ds[col.dataset] = idx
     return pts, where
@@ -500,7 +560,7 @@ def setting(table: Table, rounds: int | None = None, seeds: int | None = None) -
     )
     if seeds is not None:
         out += f"; seeds 0..{seeds - 1}"
-    out += f"; partition: {_partition_text(table)}; metric: {table.metric}"
+    out += f"; partition: {_partition_text(table)}; metric: {_metrics_text(table)}"
     return out
 
 
@@ -584,10 +644,11 @@ def render(
     for (r, c), idx in where.items():
         recs = [summaries[i] for i in idx if summaries[i] is not None]
         stores_of[(r, c)] = next((str(x["store"]) for x in recs if x.get("store") is not None), None)
-        got = [x.get(table.metric) for x in recs]
+        key = metric_of(table, c)
+        got = [derived_metric(table, key, x) for x in recs]
         v = np.array([g for g in got if g is not None], dtype=np.float64)
         if recs and not len(v) and (r, c) not in blocked:
-            blocked[(r, c)] = f"its runs record no {table.metric} (a metric of another setting?)"
+            blocked[(r, c)] = f"its runs record no {key} (a metric of another setting, or a method that trains nothing)"
         cells[(r, c)] = (
             (float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else None, len(v))
             if len(v)
@@ -605,7 +666,7 @@ def render(
                 p, ps = _paper(table, row.label, c)
                 m, s, n = cells[(r, c)]
                 why = blocked.get((r, c)) or (skipped.get(c) if m is None else None)
-                out.append({"row": row.label, "column": col.label, "metric": table.metric, "mean": m, "std": s,
+                out.append({"row": row.label, "column": col.label, "metric": metric_of(table, c), "mean": m, "std": s,
                             "n": n, "paper": p, "paper_std": ps, "why": why, "synthetic": synthetic,
                             "source": source, "stand_in": stand_in(r), "store": stores_of.get((r, c)),
                             "reading": table.reading or None})  # fmt: skip
@@ -622,7 +683,8 @@ def render(
     def cell(r: int, c: int) -> str:
         m, s, _ = cells[(r, c)]
         p, ps = _paper(table, table.rows[r].label, c)
-        ours = "n/a" if m is None else f"{m:.2f} ± {s:.2f}" if s is not None else f"{m:.2f}"
+        f = OURS_FORMAT.get(metric_of(table, c), ".2f")
+        ours = "n/a" if m is None else f"{m:{f}} ± {s:{f}}" if s is not None else f"{m:{f}}"
         if p is None:
             return ours
         return f"{ours} ({num(p)} ± {num(ps)})" if ps is not None else f"{ours} ({num(p)})"
@@ -653,7 +715,7 @@ def render(
         else table.title
     )
     head = (
-        f"{title}\n{setting(table, rounds, n or None)}\nmetric: {table.metric_label} [summary.json: {table.metric}]; "
+        f"{title}\n{setting(table, rounds, n or None)}\nmetric: {table.metric_label} [summary.json: {_metrics_text(table)}]; "
         f"ours: mean ± std over {n} seed(s), the paper's number (± its std where it prints one) in parentheses"
     )
     if live_note:
@@ -691,14 +753,14 @@ def _refuse_empty(
     """A table in which no cell has a number is an error (one line naming why), unless every cell is n/a for a
     documented reason: a row fedfeat does not have, a column whose partition cannot be drawn. A table with some
     numbers prints, whatever its other cells say."""
-    if any(summaries[i] is not None and summaries[i].get(table.metric) is not None
-           for idx in where.values() for i in idx):  # fmt: skip
+    if any(summaries[i] is not None and derived_metric(table, metric_of(table, c), summaries[i]) is not None
+           for (_, c), idx in where.items() for i in idx):  # fmt: skip
         return
     for (r, c), idx in sorted(where.items()):
         row = table.rows[r]
         if row.method is None or (c in skipped and not row.once_per_dataset):
             continue
-        why = blocked.get((r, c)) or (f"its runs record no {table.metric}" if idx else "it was not run")
+        why = blocked.get((r, c)) or (f"its runs record no {metric_of(table, c)}" if idx else "it was not run")
         raise FedfeatError(
             f"reproduce {name}: no cell has a number (e.g. {row.label} in {table.columns[c].label}: {why}); "
             + (

@@ -209,6 +209,27 @@ def _best_on_val(ev: list[dict]) -> dict:
     }
 
 
+def _efficiency(metrics: list[dict]) -> dict:
+    """Fed-MP Table 3's two figures, as a run measures them:
+
+    * ``seconds_per_image``: seconds of training per training image processed -- the rounds' ``train_seconds`` (local
+      updates, aggregation, server step; no evaluation) over their ``images`` (each sampled client's samples x local
+      epochs), the first round left out where there are others (one-time costs: a kernel compiled, caches filled). On
+      cached features the encoder's forward pass is not in it: ``fedfeat encode`` paid it once.
+    * ``trainable_params``: the parameters one client trains (``fedfeat.engine.context.trainable_params``).
+
+    Absent from runs whose rounds do not record them (made before they existed, or without training rounds)."""
+    rows = [r for r in metrics if r.get("images")]
+    out = {}
+    if rows:
+        timed = rows[1:] if len(rows) > 1 else rows
+        out["seconds_per_image"] = float(sum(r["train_seconds"] for r in timed) / sum(r["images"] for r in timed))
+    n = [r["trainable_params"] for r in metrics if r.get("trainable_params")]
+    if n:
+        out["trainable_params"] = int(max(n))
+    return out
+
+
 def _summary(cfg, method, method_params, kernel, device, key, name, metrics, wall, store) -> dict:
     ev = [r for r in metrics if r["test_acc"] is not None]  # --eval-every: the evaluated rounds
     accs = [r["test_acc"] for r in ev]
@@ -242,6 +263,7 @@ def _summary(cfg, method, method_params, kernel, device, key, name, metrics, wal
             if len(metrics) > 1
             else wall / max(cfg.rounds, 1)
         ),
+        **_efficiency(metrics),
         "params": method_params,
         "env": {
             "torch": torch.__version__,

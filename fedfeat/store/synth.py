@@ -45,6 +45,7 @@ from fedfeat.store.featurestore import (
     path_arg,
     refuse_dangling_link,
 )
+from fedfeat.store.format import longtail_counts
 from fedfeat.store.urls import is_store, storage_error
 
 CIFAR10_CLASSES = [
@@ -69,6 +70,10 @@ class SynthParams:
     classes: int = 10  # K
     dim: int = 1024  # D (RN50's embedding size)
     train_per_class: int = 5000  # CIFAR-10: 50,000 training images
+    # 0: every class has train_per_class training images; else a long-tailed train set (ImageNet-LT's stand-in):
+    # class k has round(train_per_class * (train_min / train_per_class) ** (k / (K - 1))) images, the exponential
+    # profile of Cui et al. 2019 (CIFAR-LT's), from train_per_class (class 0) down to train_min (class K - 1)
+    train_min: int = 0
     test_per_class: int = 1000  # CIFAR-10: 10,000 test images
     templates: int = 18  # CLIP_benchmark's CIFAR template count
     seed: int = 0
@@ -212,7 +217,11 @@ def write_synthetic_store(
             "synthetic store needs --classes >= 2, --dim >= 4, and >= 1 train/test sample per class and template"
         )
     out = Path(path_arg(out, "out"))
-    fingerprint = {"generator": "fedfeat.store.synth", **asdict(p)}
+    if p.train_min < 0 or p.train_min > p.train_per_class:
+        raise FedfeatError(
+            f"train_min must be 0 (balanced) or 1..train_per_class ({p.train_per_class}), got {p.train_min}"
+        )
+    fingerprint = synth_fingerprint(p)
     refuse_dangling_link(out)
     if out.exists():
         st = None
@@ -256,6 +265,25 @@ def write_synthetic_store(
     return FeatureStore.open(out)
 
 
+def _params_record(p: SynthParams) -> dict:
+    """``p`` as recorded (fingerprint, attrs): ``train_min`` only where it is set, so that the balanced stores
+    written before it existed keep their fingerprints."""
+    d = asdict(p)
+    if not d["train_min"]:
+        del d["train_min"]
+    return d
+
+
+def synth_fingerprint(p: SynthParams) -> dict:
+    """The fingerprint of the store ``p`` generates (``fingerprint_hash`` of it names the stand-in)."""
+    return {"generator": "fedfeat.store.synth", **_params_record(p)}
+
+
+def train_counts(p: SynthParams) -> np.ndarray:
+    """Training images per class: ``train_per_class`` each, or the long tail ``train_min`` sets (``SynthParams``)."""
+    return longtail_counts(p.classes, p.train_per_class, p.train_min)
+
+
 def _replaceable(path: Path) -> bool:
     """An empty directory, or one left by a run killed inside ``FeatureStore.create`` (a zarr group without
     attributes holding only a store's own entries: ``half_created``): safe to replace. A folder of the user's
@@ -272,7 +300,7 @@ def _write(tmp: Path, p: SynthParams, fingerprint: dict, stats: bool, log) -> No
     gen = SyntheticGenerator(p)
     rng = np.random.RandomState(p.seed)  # dataset order is shuffled, as in real datasets
     labels = {
-        "train": rng.permutation(np.repeat(np.arange(p.classes), p.train_per_class)),
+        "train": rng.permutation(np.repeat(np.arange(p.classes), train_counts(p))),
         "test": rng.permutation(np.repeat(np.arange(p.classes), p.test_per_class)),
     }
     names = CIFAR10_CLASSES if p.classes == 10 else [f"class {k}" for k in range(p.classes)]
@@ -291,7 +319,7 @@ def _write(tmp: Path, p: SynthParams, fingerprint: dict, stats: bool, log) -> No
         preprocessing={"kind": "synthetic"},
         fingerprint=fingerprint,
         labels=labels,
-        extra_attrs={"dataset": "synthetic", "synth_params": asdict(p)},
+        extra_attrs={"dataset": "synthetic", "synth_params": _params_record(p)},
     )
     feats = {}
     for split in ("train", "test"):
