@@ -23,6 +23,11 @@ NEW = (
     "fed-mp-table2-f1",
     "fedcopl-aggregation",
     "fedcopl-filtering",
+    "fed-mp-table1-precision",
+    "fed-mp-table1-recall",
+    "fed-mp-table2-precision",
+    "fed-mp-table2-recall",
+    "fed-mp-table3",
 )
 
 
@@ -66,7 +71,7 @@ def tiny(monkeypatch):
         monkeypatch.setitem(
             R.TABLES, name, dataclasses.replace(t, columns=t.columns[:1], rows=rows, paper=cut)
         )
-    for name in ("fed-mp-table2", "fed-mp-table2-f1"):
+    for name in ("fed-mp-table2", "fed-mp-table2-f1", "fed-mp-table2-precision", "fed-mp-table2-recall"):
         t = R.TABLES[name]
         cut = {k: v[:2] for k, v in t.paper.items()}
         std = {k: v[:2] for k, v in (t.paper_std or {}).items()}
@@ -159,6 +164,8 @@ def _run(name, fmt, tmp_path):
      ("clip2fl-table3", ["(70.55)", "(72.20)", "(73.37)", "(34.67)", "(35.88)", "(37.56)"], "features", 6),
      ("fed-mp-table2", ["(99.36 ± 0.10)", "(98.57 ± 0.29)", "(93.32 ± 1.97)", "(88.18 ± 1.00)"], "features", 6),
      ("fed-mp-table2-f1", ["(98.76 ± 0.20)", "(97.90 ± 0.38)", "(92.38 ± 1.74)", "(87.02 ± 1.27)"], "features", 6),
+     ("fed-mp-table2-precision", ["(98.48 ± 0.30)", "(97.00 ± 0.58)", "(88.98 ± 2.19)", "(92.12 ± 2.38)"], "features", 6),
+     ("fed-mp-table2-recall", ["(99.08 ± 0.14)", "(98.94 ± 0.20)", "(97.84 ± 0.42)", "(88.18 ± 1.00)"], "features", 6),
      ("fedcopl-aggregation", ["(50.45)", "(47.34)", "(55.31)", "(60.89)"], "live", 4),
      ("fedcopl-filtering", ["(45.79)", "(46.35)", "(60.89)"], "live", 4)],
 )  # fmt: skip
@@ -242,3 +249,32 @@ def test_imagenet_lt_table_reads_one_set_of_runs_four_ways(tiny, tmp_path, monke
     w = np.array([4, 14, 12]) / 30
     parts = [fedavg["many_acc"], fedavg["medium_acc"], fedavg["few_acc"]]
     assert fedavg["final_acc"] == pytest.approx(float(np.dot(w, parts)), abs=1e-9)
+
+
+def test_fed_mp_table1_precision_recall_read_the_table1_runs(tiny, tmp_path, monkeypatch):
+    """Fed-MP Table 1's Phi_P / Phi_R rows: the novel-class macro precision / recall of fed-mp-table1's runs (one
+    folder, runs shared), the paper's values not transcribed (a note names where Fed-MP's are: Table 2)."""
+    for name in ("fed-mp-table1-precision", "fed-mp-table1-recall"):
+        t = R.TABLES[name]
+        rows = [r for r in t.rows if r.method in ("fed-mp", "fedclip")]
+        monkeypatch.setitem(R.TABLES, name, dataclasses.replace(t, columns=t.columns[:1], rows=rows))
+        assert t.runs == "fed-mp-table1" and t.paper == {} and "not transcribed" in t.notes[0]
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "runs" / "t1"
+    got = {}
+    for name, key in (
+        ("fed-mp-table1-precision", "novel_precision"),
+        ("fed-mp-table1-recall", "novel_recall"),
+    ):
+        r = runner.invoke(app, ["reproduce", name, "--synthetic", "--seeds", "1", "--rounds", "1", "--store-root",
+                                str(tmp_path / "cache"), "--out", str(out), "--format", "json"])  # fmt: skip
+        assert r.exit_code == 0, r.output
+        got[key] = {c["row"]: c for c in json.loads(r.stdout)}
+    runs = {
+        json.loads(p.read_text())["method"]: json.loads(p.read_text()) for p in out.glob("*/summary.json")
+    }
+    assert set(runs) == {"fed-mp", "fedclip"}  # the second table reused the first's runs
+    for key, cells in got.items():
+        assert cells["Fed-MP"]["metric"] == key and cells["Fed-MP"]["paper"] is None
+        assert cells["Fed-MP"]["mean"] == pytest.approx(runs["fed-mp"][key])
+        assert cells["FedCLIP"]["mean"] == pytest.approx(runs["fedclip"][key])
