@@ -113,7 +113,18 @@ def _is_timing(key: str) -> bool:
 UNCOMPARED = {"git_commit", "threads", "diverged"}
 # summary keys a version may predate: compared where both summaries have them (issue 36: ``weights_sha256``, the
 # sha256 of weights.safetensors -- deterministic, so compared, but a base from before it has none)
-ADDED = {"weights_sha256"}
+ADDED = {"weights_sha256", "trainable_params"}
+# metrics.jsonl row keys a version may predate (issue 37: ``images``, each round's training images; ``trainable_params``)
+ROW_ADDED = {"images", "trainable_params"}
+
+
+def _drop_added(la: list, lb: list) -> None:
+    """Leave out of both versions' rows the ``ROW_ADDED`` keys that only one of them records."""
+    for x, y in zip(la, lb):
+        if isinstance(x, dict) and isinstance(y, dict):
+            for k in ROW_ADDED:
+                if (k in x) != (k in y):
+                    x.pop(k, None), y.pop(k, None)
 
 
 def _strip(obj):
@@ -208,6 +219,7 @@ def compare(a: Path, b: Path) -> list[str]:
         ra, rb = a / d, b / d
         la = [_strip(json.loads(x)) for x in (ra / "metrics.jsonl").read_text().splitlines()]
         lb = [_strip(json.loads(x)) for x in (rb / "metrics.jsonl").read_text().splitlines()]
+        _drop_added(la, lb)
         if la != lb:
             bad = next(i for i, (x, y) in enumerate(zip(la + [None] * 99, lb + [None] * 99)) if x != y)
             diffs.append(f"{d}: metrics.jsonl differs from line {bad + 1}")

@@ -19,6 +19,10 @@ from fedfeat.report.plots import readable_partition
 LABELS = np.random.RandomState(0).permutation(np.repeat(np.arange(20), 30))  # 20 classes x 30 samples
 TEST_LABELS = np.random.RandomState(1).permutation(np.repeat(np.arange(20), 8))
 CLIENTS = (10, 5, 4, 2, 20)  # the first that a scheme can draw with is used
+# schemes that draw by domain (needs_domains) get 5 domains, rows dealt round-robin; "sketch" is a field example
+DOMAIN_NAMES = ("clipart", "infograph", "painting", "real", "sketch")
+DOMAINS = np.arange(len(LABELS)) % 5
+TEST_DOMAINS = np.arange(len(TEST_LABELS)) % 5
 
 
 def _example(f) -> object:
@@ -31,6 +35,8 @@ def _draw(name: str, **extra):
     kw = P.fill_defaults(name, {})
     if cls.uses_test_labels:
         kw["test_labels"] = TEST_LABELS
+    if cls.needs_domains:
+        kw.update(domains=DOMAINS, test_domains=TEST_DOMAINS, domain_names=DOMAIN_NAMES)
     errors = []
     for clients in CLIENTS:
         try:
@@ -61,8 +67,10 @@ def test_every_scheme_draws_and_records(scheme):
     flat = np.concatenate(p.clients)
     assert len(np.unique(flat)) == len(flat) and flat.max() < len(LABELS)
     for f in cls.fields():  # the filled defaults (or the field defaults) are recorded under the field's name
-        if f.name in p.params:
-            assert p.params[f.name] is not None
+        if (
+            f.name in p.params
+        ):  # (None: a field whose default is None, e.g. domain's alpha at one client per domain)
+            assert p.params[f.name] is not None or f.default is None
     if cls.needs_test_labels:
         assert "test_clients" in p.params
 
@@ -145,7 +153,7 @@ def test_unknown_names_are_one_line_listing_the_known():
 def test_scheme_fields_union_and_users():
     fields = P.scheme_fields()
     assert list(fields)[:4] == ["shards", "alpha", "min_size", "shots"]
-    assert P.schemes_using("alpha") == ["dirichlet", "dirichlet-equal", "dirichlet-joint"]
+    assert P.schemes_using("alpha") == ["dirichlet", "dirichlet-equal", "dirichlet-joint", "domain"]
     assert P.schemes_using("min_size") == ["dirichlet"] and P.schemes_using("nothing") == []
     for name, f in fields.items():  # every scheme that declares a name agrees on its type and help
         for user in P.schemes_using(name):

@@ -10,7 +10,7 @@ were left out of the stack key) fails it. A new setting is covered by declaring 
 without any fails ``test_every_sweepable_setting_has_examples``.
 
 Two settings need a fixture rather than a value: ``store`` (a second store) and ``preset`` (a store with the
-preset's class count).
+preset's class count); the ``domain`` scheme's settings run on a store with two domains.
 """
 
 from __future__ import annotations
@@ -44,10 +44,16 @@ def stores(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("specstack")
     preset = FIELDS["preset"].examples[0]
+    from fedfeat.store.synth import SynthParams, write_synthetic_store
+
+    domain = root / "d.zarr"  # the domain scheme's store: two domains, named (held_out's example is "sketch")
+    write_synthetic_store(domain, SynthParams(classes=10, dim=16, train_per_class=30, test_per_class=10, templates=1,
+                                              domains=2, domain_names="photo,sketch"), stats=False, log=lambda *a: 0)  # fmt: skip
     return {
         "base": _store(root, "a.zarr"),
         "store": _store(root, "b.zarr", seed=1),
         "preset": _store(root, "p.zarr", classes=PRESETS[preset]["classes"]),
+        "domain": str(domain),
     }
 
 
@@ -68,6 +74,12 @@ def variants(method: str, stores: dict) -> list[tuple[str, dict]]:
                 s.pop("alpha", None)  # alpha is dirichlet's
             if f.context.get("partition") == "disjoint-classes" or v == "disjoint-classes":
                 s.update(shots=2, clients=4)
+            if f.context.get("partition") == "domain" or (k == "partition" and v == "domain"):
+                # clients = the training domains x per_domain (two domains, one of them held out or not)
+                s.update(store=stores["domain"], partition="domain")
+                s["clients"] = (1 if s.get("held_out") else 2) * int(s.get("per_domain") or 1)
+                if int(s.get("per_domain") or 1) > 1:  # 5 clients of a tiny domain: some get no test row
+                    s.setdefault("min_require_size", 0)
             if s == base:
                 continue
             out.append((f"{k}={v}", s))

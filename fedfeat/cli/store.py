@@ -1,4 +1,5 @@
-"""``fedfeat synth`` (a synthetic store) and ``fedfeat info`` (a store's attributes, sizes and partitions)."""
+"""``fedfeat synth`` (a synthetic store), ``fedfeat info`` (a store's attributes, sizes and partitions) and ``fedfeat
+combine`` (several stores of one encoder as one, each a domain)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ def synth(
     ),
     preset: str = typer.Option(
         "cifar10-rn50",
-        help="Named parameter set: cifar10-rn50 (CIFAR-10 under RN50) or caltech101-vitl14 (Fed-MP's Caltech101 "
-        "under ViT-L/14@336: 102 classes, D = 768); the flags below override its fields.",
+        help="Named parameter set: cifar10-rn50 (CIFAR-10 under RN50), caltech101-vitl14 (Fed-MP's Caltech101 "
+        "under ViT-L/14@336: 102 classes, D = 768), or a domain-shift stand-in under ViT-B/32 (D = 512, rows "
+        "per domain): pacs-vitb32, officehome-vitb32, office-caltech10-vitb32, domainnet-vitb32; the flags "
+        "below override its fields.",
     ),
     classes: Optional[int] = typer.Option(None, help="Number of classes K (preset: 10)."),
     dim: Optional[int] = typer.Option(
@@ -31,6 +34,16 @@ def synth(
     templates: Optional[int] = typer.Option(
         None, help="Prompt templates, text embeddings per class (preset: 18)."
     ),
+    domains: Optional[int] = typer.Option(
+        None,
+        help="Domains N (feature-shift federations: clients = domains): each domain has the per-class counts "
+        "above, its own offset of the image cloud and a harder or easier class signal; every row's domain is "
+        "recorded. 0: no domains (as cifar10-rn50 and caltech101-vitl14). A count other than the preset's drops "
+        "the preset's domain names and per-domain signal factors.",
+    ),
+    domain_shift: Optional[float] = typer.Option(
+        None, help="Weight of each domain's own image-cloud offset (default 0.3; needs --domains)."
+    ),
     seed: int = typer.Option(0, help="Generator seed: the same seed gives the same store, byte for byte."),
     stats: bool = typer.Option(True, help="Measure zero-shot / linear-probe / cosine statistics (~10 s)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing store at --out."),
@@ -38,7 +51,7 @@ def synth(
     """Write a synthetic CLIP-like store (default: CIFAR-10 shape under RN50) with the real layout."""
     import dataclasses
 
-    from fedfeat.store.synth import PRESETS, write_synthetic_store
+    from fedfeat.store.synth import DOMAIN_FIELDS, PRESETS, SynthParams, write_synthetic_store
 
     if preset not in PRESETS:
         raise FedfeatError(f"unknown synth preset '{preset}'; choose one of: {', '.join(PRESETS)}")
@@ -48,8 +61,16 @@ def synth(
         train_per_class=train_per_class,
         test_per_class=test_per_class,
         templates=templates,
+        domains=domains,
+        domain_shift=domain_shift,
     )
-    p = dataclasses.replace(PRESETS[preset], seed=seed, **{k: v for k, v in given.items() if v is not None})
+    base = PRESETS[preset]
+    if (
+        domains is not None and domains != base.domains
+    ):  # the preset's per-domain fields fit its own count only
+        dflt = SynthParams()
+        base = dataclasses.replace(base, **{k: getattr(dflt, k) for k in DOMAIN_FIELDS})
+    p = dataclasses.replace(base, seed=seed, **{k: v for k, v in given.items() if v is not None})
     from fedfeat.store.urls import is_url, store_location
 
     store_location(out, write="--out")  # a URL pathlib collapsed, or a chained URL: one line, nothing written
@@ -103,6 +124,34 @@ def info(
     print_store_info(store, as_json=as_json, verify=verify)
 
 
+def combine(
+    out: str = typer.Argument(..., metavar="OUT", help="Combined store directory to write (a local path)."),
+    stores: list[str] = typer.Argument(
+        ...,
+        metavar="STORE",
+        help="Two or more complete stores of one encoder (same backbone, weights and templates), each a domain of "
+        "the combined store: their classes concatenated, each row's domain its store.",
+    ),
+    name: Optional[list[str]] = typer.Option(
+        None,
+        "--name",
+        metavar="NAME",
+        help="The domain name of each store, in their order (repeat: --name cifar10 --name pets). Default: each "
+        "store's dataset, else its folder name.",
+    ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", "--force", help="Replace a different store at OUT (an identical one is kept)."
+    ),
+) -> None:
+    """Combine stores of one encoder into one store whose domains are the source datasets (a federation across
+    datasets, FedTPG's setting: train with --partition domain, one client per dataset). Pixels are not combined."""
+    from fedfeat.store.combine import combine_stores
+
+    combine_stores(out, stores, name or None, overwrite=overwrite, log=typer.echo)
+    typer.echo(f"store: {out}")
+
+
 def register(app: typer.Typer) -> None:
     app.command()(synth)
     app.command()(info)
+    app.command()(combine)

@@ -170,6 +170,11 @@ class Context:
     store: object | None = None  # the FeatureStore (live image methods read its pixels)
     train_rows: np.ndarray | None = None  # [N] store rows of the client-major training samples
     test_rows: np.ndarray | None = None  # [N_test] store rows of test_x
+    # a store that records domains: each test row's domain id, the domains' names, and (a combined store, one domain
+    # per dataset: ``fedfeat combine``) each domain's class ids, the vocabulary its test rows are predicted over
+    test_domains: torch.Tensor | None = None  # [N_test] int64
+    domain_names: list | None = None
+    domain_classes: list | None = None
     # the learning rate of this round's optimiser as the engine made it (``method.make_optimizer(rnd).lr``: a decay
     # schedule applied), set before ``local_begin``; None before the first round's local update
     lr_round: float | None = None

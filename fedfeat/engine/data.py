@@ -44,6 +44,13 @@ class RunData:
         None  # [N_test] bool: rows of test_x held out for validation (``val_split``)
     )
     compute_dtype: torch.dtype | None = None  # what methods compute in (None: float32 over float16 features)
+    test_domains: torch.Tensor | None = (
+        None  # [N_test] int64 domain of each test_x row (a store with domains)
+    )
+    domain_names: list | None = None
+    domain_classes: list | None = (
+        None  # per domain, its class ids (a combined store: the dataset's vocabulary)
+    )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -128,6 +135,9 @@ def build_context(data: RunData, method, seed: int, device: torch.device) -> Con
         train_rows=data.rows,
         test_rows=data.test_rows,
         val_mask=data.val_mask,
+        test_domains=None if data.test_domains is None else data.test_domains.to(device),
+        domain_names=data.domain_names,
+        domain_classes=data.domain_classes,
         state=state_for(method),  # writes only the keys the method (state_keys) or the engine declares
     )
     if method.needs_live_text and data.live is None:
@@ -208,6 +218,22 @@ def load_run_data(
     tx_np = store.features("test") if has_test else feats
     ty_np = store.labels("test") if has_test else labels
     keep = ty_np >= 0
+    test_rows = partition.params.get(
+        "test_rows"
+    )  # a held-out domain (the domain scheme): the global test is its rows
+    if test_rows is not None:
+        only = np.zeros(len(keep), dtype=bool)
+        only[np.flatnonzero(keep)[np.asarray(test_rows, dtype=np.int64)]] = (
+            True  # positions among the valid rows
+        )
+        keep &= only
+        if not keep.any():
+            raise FedfeatError("the held-out domain has no test rows; hold out another domain")
+        if local_test != "none":
+            raise FedfeatError(
+                "a run with a held-out domain tests on that domain's rows; its clients have no local test there: "
+                "drop --local-test, or drop held_out for each domain's personal test"
+            )
     ov = None
     if ov_parts is not None:
         ov, keep = _open_vocab(
@@ -231,7 +257,8 @@ def load_run_data(
             if tc is None:
                 raise FedfeatError(
                     "--local-test joint takes the test split drawn with the partition: use --partition "
-                    "dirichlet-joint (FedCoPL), or --local-test proportional for another partition"
+                    "dirichlet-joint (FedCoPL) or domain (each client's domain), or --local-test proportional for "
+                    "another partition"
                 )
             split = [np.asarray(t, dtype=np.int64) for t in tc]
         else:
@@ -278,7 +305,32 @@ def load_run_data(
         test_rows=np.flatnonzero(keep) if ov is None and has_test else None,
         val_mask=vmask,
         compute_dtype=dtype,
+        **_domain_data(store, keep, device, ov is None and has_test),
     )
+
+
+def _domain_data(store, keep: np.ndarray, device, closed: bool) -> dict:
+    """A store with domains (closed runs): each kept test row's domain, the names, and a combined store's per-domain
+    vocabulary (attr ``domain_classes``), checked against the store's classes."""
+    doms = getattr(store, "domains", None)
+    d = doms("test") if closed and doms is not None else None
+    if d is None:
+        return {}
+    names = list(store.domain_names or [f"domain {i}" for i in range(int(d.max(initial=-1)) + 1)])
+    classes = store.attrs.get("domain_classes")
+    if classes is not None:
+        K = store.n_classes
+        if len(classes) != len(names) or any(not 0 <= int(c) < K for cs in classes for c in cs):
+            raise FedfeatError(
+                f"store {store.path}: domain_classes does not list class ids of its {len(names)} domains; rebuild it "
+                "with `fedfeat combine`"
+            )
+        classes = [[int(c) for c in cs] for cs in classes]
+    return {
+        "test_domains": torch.from_numpy(d[keep].astype(np.int64)).to(device),
+        "domain_names": names,
+        "domain_classes": classes,
+    }
 
 
 def holdout(y: np.ndarray, fraction: float, seed: int) -> np.ndarray:

@@ -189,7 +189,11 @@ def evaluate(method, ctx: Context, glob: dict, test_y: torch.Tensor, n_classes: 
     check_logits(method, logits, test_y.shape[0], n_classes)  # [N, K]: shapes only, no sync
     # a class-major head's logits come as a transposed view: argmax over the classes of a contiguous copy is ~3x
     # faster than the strided reduction (10,000 x 10: 0.45 vs 1.44 ms on one thread), and gives the same indices
-    pred = logits.contiguous().argmax(1)
+    logits = logits.contiguous()
+    vocab = _domain_vocab(ctx, n_classes, logits.device)
+    if vocab is not None:  # a combined store: each test row predicted over its own dataset's classes
+        logits = logits.masked_fill(~vocab[ctx.test_domains], -torch.inf)
+    pred = logits.argmax(1)
     correct = (pred == test_y).to(torch.float64)
     dev = test_y.device
     # every count the metrics need, summed on the device and brought to the host in one transfer (the round's one
@@ -206,6 +210,12 @@ def evaluate(method, ctx: Context, glob: dict, test_y: torch.Tensor, n_classes: 
     ]
     if vm is not None:  # --val-split: one prediction pass, the held-out rows scored apart
         parts.append(torch.stack([correct[vm].sum(), vm.sum().to(torch.float64)]))
+    doms = getattr(ctx, "test_domains", None)
+    if doms is not None:  # each domain's test rows: hits and count (validation rows left out)
+        nd = len(ctx.domain_names)
+        dd, dc = (doms, correct) if test_rows is None else (doms[test_rows], correct[test_rows])
+        parts.append(torch.zeros(nd, dtype=torch.float64, device=dev).index_add_(0, dd, dc))
+        parts.append(torch.bincount(dd, minlength=nd).to(torch.float64))
     local = getattr(ctx, "local_test", None)
     # per-client models score themselves (a Method declares local_accuracies None; a bare predictor has none)
     own = local is not None and getattr(method, "local_accuracies", None) is not None
@@ -217,12 +227,18 @@ def evaluate(method, ctx: Context, glob: dict, test_y: torch.Tensor, n_classes: 
     hits, cnt = host[:n_classes], host[n_classes : 2 * n_classes]
     o = 2 * n_classes
     extra = {}
+    if doms is not None:  # taken out of host so that the offsets below are as without domains
+        nd = len(ctx.domain_names)
+        at = o + 2 * (vm is not None)
+        dh, dn = host[at : at + nd], host[at + nd : at + 2 * nd]
+        del host[at : at + 2 * nd]
+        extra["domain_acc"] = {n: (100 * h / c if c else None) for n, h, c in zip(ctx.domain_names, dh, dn)}
     if local is not None:
         if own:
             accs = method.local_accuracies(ctx, glob, test_y)
         else:
             accs = [100 * (h / len(r)) for h, r in zip(host[o + 2 * (vm is not None) :], local) if len(r)]
-        extra = local_summary(accs, local)
+        extra.update(local_summary(accs, local))
     if vm is not None:
         extra["val_acc"] = 100 * (host[o] / host[o + 1])
     if test_rows is not None:
@@ -236,6 +252,18 @@ def evaluate(method, ctx: Context, glob: dict, test_y: torch.Tensor, n_classes: 
     if extra:
         out["extra"] = extra
     return out
+
+
+def _domain_vocab(ctx: Context, n_classes: int, dev) -> torch.Tensor | None:
+    """``[domains, K]`` bool: each domain's classes (a combined store's ``domain_classes``), made once per run."""
+    if getattr(ctx, "domain_classes", None) is None or getattr(ctx, "test_domains", None) is None:
+        return None
+    if "domain_vocab" not in ctx.cache:
+        m = torch.zeros(len(ctx.domain_classes), n_classes, dtype=torch.bool)
+        for d, cs in enumerate(ctx.domain_classes):
+            m[d, cs] = True
+        ctx.cache["domain_vocab"] = m.to(dev)
+    return ctx.cache["domain_vocab"]
 
 
 def _local_rows(ctx: Context, dev) -> tuple[torch.Tensor, torch.Tensor]:

@@ -78,6 +78,9 @@ def make_partition(
     test_labels=None,
     class_order=None,
     class_order_name: str | None = None,
+    domains=None,
+    test_domains=None,
+    domain_names=(),
     **scheme_params,
 ) -> Partition:
     """Partition a split by name; the one entry point the CLI and the store use.
@@ -99,6 +102,9 @@ def make_partition(
     ``class_order`` (schemes with ``takes_class_order``: disjoint-classes): the class list the draws index, a
     permutation of the class ids (``disjoint_classes``' ``order``), recorded under ``class_order_name`` (its
     partition key says ``-o<name>``).
+    ``domains`` / ``test_domains`` / ``domain_names`` (schemes with ``needs_domains``: ``domain``): each row's
+    domain id in the split and the test split, and the domains' names (a store's ``domains(split)`` and
+    ``domain_names``).
 
     >>> p = make_partition(np.repeat(np.arange(10), 100), "shard", clients=10)
     >>> partition_key(p), p.sizes().tolist()[:3]
@@ -123,6 +129,22 @@ def make_partition(
             f"a class order applies to scheme {users} only and needs a name for the partition key; "
             "drop it or pass class_order_name"
         )
+    if cls.needs_domains:
+        if domains is None:
+            raise FedfeatError(
+                f"scheme {scheme!r} draws by domain: it needs each row's domain (a store encoded from a domain "
+                "dataset: --dataset domainnet / domainfolder / pacs / officehome / vlcs / office-caltech10, or "
+                "`fedfeat synth --domains N`)"
+            )
+        domains = np.asarray(domains, dtype=np.int64)
+        if domains.shape != labels.shape:
+            raise FedfeatError(
+                f"domains has {len(domains)} entries for {len(labels)} labels; give one per row"
+            )
+        if imbalance_factor is not None:
+            raise FedfeatError(f"scheme {scheme!r} takes no imbalance factor; drop imbalance_factor")
+    elif domains is not None or test_domains is not None:
+        raise FedfeatError(f"scheme {scheme!r} does not draw by domain; drop domains")
     n_cls = _n_classes(labels, n_classes)
     if seed is None:
         seed = cls.default_seed(imbalance_factor)
@@ -135,6 +157,10 @@ def make_partition(
         labels=labels[kept], clients=clients, seed=seed, n_classes=n_cls,
         test_labels=None if test_labels is None or not cls.uses_test_labels else _labels(test_labels),
         class_order=class_order, class_order_name=class_order_name,
+        domains=None if domains is None else domains[kept],
+        test_domains=None if test_domains is None or test_labels is None or not cls.uses_test_labels
+        else np.asarray(test_domains, dtype=np.int64),
+        domain_names=tuple(domain_names or ()),
     )  # fmt: skip
     parts, extra = cls.draw(draw, params)
     parts = [kept[p] for p in parts]

@@ -87,6 +87,10 @@ class Draw:
     test_labels: np.ndarray | None = None  # [M] int64, the test split (schemes that draw its clients too)
     class_order: np.ndarray | None = None  # [n_classes] a permutation of the class ids (takes_class_order)
     class_order_name: str | None = None
+    # [N] / [M] int64 domain ids of the rows (schemes with needs_domains: the store's <split>/domains)
+    domains: np.ndarray | None = None
+    test_domains: np.ndarray | None = None
+    domain_names: tuple[str, ...] = ()
 
 
 _PATTERNS = {"int": r"\d+", "real": r"[0-9.]+(?:e[+-]?\d+)?", "text": r".+"}
@@ -137,6 +141,7 @@ class Scheme:
     needs_test_labels: ClassVar[bool] = False  # partitions the test split with the same draws, and must
     uses_test_labels: ClassVar[bool] = False  # ... may (its test clients when given the test labels)
     takes_class_order: ClassVar[bool] = False  # make_partition's class_order / class_order_name
+    needs_domains: ClassVar[bool] = False  # draws by each row's domain (a store that records domains)
     # the error when the test labels are missing or an imbalance factor is given that the scheme cannot take
     inputs_message: ClassVar[str] = ""
 

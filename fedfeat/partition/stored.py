@@ -37,6 +37,25 @@ def _test_labels(st: FeatureStore, scheme: str) -> np.ndarray:
     return lab[lab >= 0]
 
 
+def _domain_args(st, cls, split: str, valid, with_test: bool) -> dict:
+    """A domain scheme's rows' domains (``<split>/domains`` of the valid rows, and the test split's) and names;
+    nothing for the other schemes. A store without domains is a one-line error naming where domains come from."""
+    if not cls.needs_domains:
+        return {}
+    d = st.domains(split)
+    if d is None:
+        raise FedfeatError(
+            f"scheme {cls.name!r} draws clients by domain, and store {st.path} records no domains; encode a domain "
+            "dataset (--dataset domainnet / domainfolder / pacs / officehome / vlcs / office-caltech10) or build "
+            "a stand-in with `fedfeat synth --domains N`"
+        )
+    td = None
+    if with_test:  # the valid test rows, as _test_labels gives them
+        td = st.domains("test")
+        td = None if td is None else td[st.labels("test") >= 0]
+    return {"domains": d[valid], "test_domains": td, "domain_names": tuple(st.domain_names or ())}
+
+
 def store_partition(
     st: FeatureStore,
     *,
@@ -74,6 +93,7 @@ def store_partition(
         test_labels=_test_labels(st, scheme) if with_test else None,
         class_order=class_order,
         class_order_name=class_order_name,
+        **_domain_args(st, cls, split, valid, with_test),
         **scheme_params,
     )
     if len(valid) != len(labels):  # map positions among valid rows back to split rows

@@ -169,8 +169,13 @@ def _frozen_params(store: str | None, backbone: str) -> int | None:
 
 def derived_metric(table: Table, key: str, summary: dict):
     """A cell's value from a run's summary: the key itself, or a figure derived from it --
-    ``trainable_share``: ``100 x trainable_params / (trainable_params + frozen CLIP's parameters)`` (Fed-MP Table 3's
+    ``domain_acc:NAME`` (domain NAME's test accuracy), ``domain_acc_mean`` (their unweighted mean), ``trainable_share``: ``100 x trainable_params / (trainable_params + frozen CLIP's parameters)`` (Fed-MP Table 3's
     "ratio of trainable parameters"; ``_frozen_params``). None where the run records none."""
+    if key.startswith("domain_acc:"):  # one domain's test accuracy (a domain federation: summary.json domain_acc)
+        return (summary.get("domain_acc") or {}).get(key.split(":", 1)[1])
+    if key == "domain_acc_mean":  # the unweighted mean over the domains (FedCLIP's / FedOTP's "Avg")
+        vals = [v for v in (summary.get("domain_acc") or {}).values() if v is not None]
+        return float(np.mean(vals)) if vals else None
     if key != "trainable_share":
         return summary.get(key)
     n = summary.get("trainable_params")

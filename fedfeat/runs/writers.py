@@ -254,6 +254,7 @@ def _summary(cfg, method, method_params, kernel, device, key, name, metrics, wal
         "best_round": int(ev[int(np.argmax(accs))]["round"]),
         **_best_on_val(ev),
         **{k: last[k] for k in SUMMARY_EXTRAS if k in last},
+        **({"domain_acc": last["domain_acc"]} if isinstance(last.get("domain_acc"), dict) else {}),
         "bytes_up": int(sum(r["bytes_up"] for r in metrics)),
         "bytes_down": int(sum(r["bytes_down"] for r in metrics)),
         "seconds": wall,  # this process: loading, set-up, its rounds (numba's compiling: compile_seconds)

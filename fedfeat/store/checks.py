@@ -338,11 +338,18 @@ class AttrCheck:
                     if _is_int(fp["train_min"]):
                         want = int(longtail_counts(fp["classes"], fp[per], fp["train_min"]).sum())
                     says = f"fingerprint's long tail ({fp[per]} .. {fp['train_min']} per class) = {want}"
+                if (
+                    _is_int(fp.get("domains")) and fp["domains"] > 0
+                ):  # each domain its rows (SynthParams.domains)
+                    want *= fp["domains"]
+                    says = f"{fp['domains']} domains x ({says}) = {want}"
                 if splits[split] != want:
                     self.lie(f"splits.{split}", splits[split], says)
         sp = self.a.get("synth_params")
         if isinstance(sp, dict):  # train_min 0 (balanced) is recorded by its absence (SynthParams.train_min)
             sp = {k: v for k, v in sp.items() if not (k == "train_min" and not v)}
+            if not sp.get("domains"):  # likewise no domains: SynthParams.domain* recorded by their absence
+                sp = {k: v for k, v in sp.items() if not k.startswith("domain")}
         if isinstance(sp, dict) and sp != {k: v for k, v in fp.items() if k != "generator"}:
             diff = sorted(k for k in set(sp) | set(fp) - {"generator"} if sp.get(k) != fp.get(k))
             have = ", ".join(f"{k}: {sp.get(k)!r}" for k in diff[:3])

@@ -364,6 +364,8 @@ class FeatureStore(StoreWriting, StoreReading, StorePartitions):
         return st
 
     def _rebuild_hint(self) -> str:
+        if self._attrs.get("dataset") == "combined":
+            return "`fedfeat combine --overwrite` from its source stores"
         if self._attrs.get("backbone") == "synthetic":
             return "`fedfeat synth --force`"
         return "`fedfeat encode --force` (or `fedfeat synth --force` for a synthetic store)"
@@ -609,3 +611,64 @@ def normalize_pixels(px, mean, std):
     m = torch.as_tensor(mean, dtype=torch.float32, device=x.device).view(-1, 1, 1)
     s = torch.as_tensor(std, dtype=torch.float32, device=x.device).view(-1, 1, 1)
     return x.sub_(m).div_(s)
+
+
+def publish(out: Path, write, what: str, fix: str) -> None:
+    """Write a whole store at ``out`` crash-safely: ``write(tmp)`` fills a temporary sibling (``.<name>.tmp-<pid>``),
+    which replaces ``out`` only once complete (an old store at ``out`` goes last). A failure (a full disk, Ctrl-C)
+    leaves nothing at ``out`` that looks like a store; a filesystem error is a one-line ``FedfeatError`` naming
+    ``what`` was being written and ``fix``."""
+    import os
+    import shutil
+
+    from fedfeat.store.urls import storage_error
+
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        write(tmp)
+        if out.is_dir() and not out.is_symlink():  # the old store goes only once the new one is complete
+            os.replace(out, old)
+        elif out.exists() or out.is_symlink():
+            out.unlink()
+        os.replace(tmp, out)
+    except OSError as e:
+        raise storage_error(e, out, what, fix) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def existing_store(out: Path, fingerprint: dict, force: bool, flag: str, where: str, replaceable):
+    """What is at ``out`` before a whole store is written there: the complete store of this ``fingerprint`` (kept:
+    returned), nothing or a replaceable leftover (None: write it), another store (``force``: None, else a one-line
+    error naming ``flag``), or files fedfeat did not write (``replaceable(out)`` false: a one-line error, never
+    deleted). ``where`` names the output option in messages."""
+    refuse_dangling_link(out)
+    if not out.exists():
+        return None
+    from fedfeat.store.urls import is_store
+
+    if is_store(out):
+        st = None
+        try:
+            st = FeatureStore.open(out, allow_incomplete=True)
+        except FedfeatError:
+            if not force:  # a damaged or older-format store: its message says how to rebuild it
+                raise
+        if st is not None and st.complete:
+            if st.attrs.get("fingerprint_hash") == fingerprint_hash(fingerprint):
+                return st
+            if not force:
+                raise FedfeatError(
+                    f"{out} holds a different store; pass {flag} to replace it, or choose {where}"
+                )
+        return None
+    if not replaceable(out):  # never delete what fedfeat did not write, even when forced
+        raise FedfeatError(
+            f"{out} exists and is not a fedfeat store; choose {where} (or move it away yourself: {flag} replaces "
+            "stores only)"
+        )
+    return None
