@@ -205,3 +205,12 @@ def test_held_out_domain_is_the_test_set(pacs_store, tmp_path, monkeypatch):
     r = run_cli(["train", "--store", pacs_store, "--method", "fedavg", "--partition", "domain", "--held-out",
                  "sketch", "--clients", 3, "--rounds", 1, "--local-test", "joint", "--out", tmp_path / "r2"])  # fmt: skip
     assert r.exit_code != 0 and "drop --local-test" in r.output
+    # FedCLIP tests the whole target domain (every split of it): held_out_eval = all
+    r = run_cli(["train", "--store", pacs_store, "--method", "fedavg", "--partition", "domain", "--held-out",
+                 "sketch", "--held-out-eval", "all", "--clients", 3, "--rounds", 1, "--out", tmp_path / "r3"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    run = next((tmp_path / "r3").glob("*/summary.json")).parent
+    conf = np.load(run / "results.npz")["confusion"]
+    whole = sum(int(((st.domains(sp) == 3) & (st.labels(sp) >= 0)).sum()) for sp in st.splits)
+    assert conf.sum() == whole > int((st.domains("test") == 3).sum())  # more rows than its test split alone
+    assert json.loads((run / "summary.json").read_text())["partition"].endswith("-hosketch-heall")

@@ -77,6 +77,8 @@ def variants(method: str, stores: dict) -> list[tuple[str, dict]]:
             if f.context.get("partition") == "domain" or (k == "partition" and v == "domain"):
                 # clients = the training domains x per_domain (two domains, one of them held out or not)
                 s.update(store=stores["domain"], partition="domain")
+                if s.get("held_out_eval"):  # which rows of a held-out domain are tested: one is held out
+                    s.setdefault("held_out", "sketch")
                 s["clients"] = (1 if s.get("held_out") else 2) * int(s.get("per_domain") or 1)
                 if int(s.get("per_domain") or 1) > 1:  # 5 clients of a tiny domain: some get no test row
                     s.setdefault("min_require_size", 0)

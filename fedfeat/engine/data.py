@@ -227,6 +227,10 @@ def load_run_data(
             True  # positions among the valid rows
         )
         keep &= only
+        if partition.params.get("held_out_eval") == "all":  # FedCLIP: the whole target domain, every split
+            tx_np, ty_np = _whole_domain(store, partition.params)
+            keep = np.ones(len(ty_np), dtype=bool)
+            has_test = False  # its rows come from several splits: no one split's row numbers
         if not keep.any():
             raise FedfeatError("the held-out domain has no test rows; hold out another domain")
         if local_test != "none":
@@ -305,15 +309,32 @@ def load_run_data(
         test_rows=np.flatnonzero(keep) if ov is None and has_test else None,
         val_mask=vmask,
         compute_dtype=dtype,
-        **_domain_data(store, keep, device, ov is None and has_test),
+        **_domain_data(store, keep, device, ov is None and has_test, partition.params),
     )
 
 
-def _domain_data(store, keep: np.ndarray, device, closed: bool) -> dict:
+def _whole_domain(store, params: dict) -> tuple[np.ndarray, np.ndarray]:
+    """``(features, labels)`` of every row of the held-out domain, split after split in the store's order (FedCLIP's
+    target client: ``prepare_data_dg_clip.py`` tests the whole ImageFolder of a ``test_envs`` domain); rows a store
+    marks unreadable (label -1) left out."""
+    d = list(params.get("domain_names") or []).index(params["held_out"])
+    xs, ys = [], []
+    for split in store.splits:
+        doms, lab = store.domains(split), store.labels(split)
+        rows = np.flatnonzero((doms == d) & (lab >= 0))
+        xs.append(store.features_rows(split, rows))
+        ys.append(lab[rows])
+    return np.concatenate(xs), np.concatenate(ys)
+
+
+def _domain_data(store, keep: np.ndarray, device, closed: bool, params: dict) -> dict:
     """A store with domains (closed runs): each kept test row's domain, the names, and a combined store's per-domain
-    vocabulary (attr ``domain_classes``), checked against the store's classes."""
+    vocabulary (attr ``domain_classes``), checked against the store's classes. A whole held-out domain as the test
+    set (``held_out_eval = "all"``): every test row is that domain's."""
     doms = getattr(store, "domains", None)
     d = doms("test") if closed and doms is not None else None
+    if params.get("held_out_eval") == "all":
+        d = np.full(len(keep), list(params["domain_names"]).index(params["held_out"]), dtype=np.int64)
     if d is None:
         return {}
     names = list(store.domain_names or [f"domain {i}" for i in range(int(d.max(initial=-1)) + 1)])

@@ -32,8 +32,9 @@ so the code pairs the first ``n`` images of a domain with the labels of the draw
 with its own label (docs/paper-code.md).
 
 ``held_out`` (a domain name): that domain gets no client; the global test (``test_acc``) is its test rows only
-(``test_rows``), the leave-one-domain-out evaluation of domain generalisation. Without it, the global test is every
-domain's test rows.
+(``test_rows``), the leave-one-domain-out evaluation of domain generalisation; ``held_out_eval = "all"`` tests every
+row of it, all splits (FedCLIP's target client: ``prepare_data_dg_clip.py`` ``getfeadataloader`` loads the whole
+``test_envs`` domain, unsplit). Without ``held_out``, the global test is every domain's test rows.
 """
 
 import math
@@ -56,6 +57,14 @@ def _at_least_one(v) -> str | None:
 
 def _at_least_zero(v) -> str | None:
     return None if v >= 0 else f"must be >= 0, got {v} (FedOTP: 2)"
+
+
+def _eval_choice(v) -> str | None:
+    return (
+        None
+        if v in ("test", "all")
+        else f"must be test or all, got {v!r} (FedCLIP tests the whole held-out domain: all)"
+    )
 
 
 def fedotp_domain_split(
@@ -195,12 +204,18 @@ class Domain(Scheme):
             metadata={"help": "a domain left out of training and tested alone (leave-one-domain-out)",
                       "example": "sketch"},
         )  # fmt: skip
+        held_out_eval: str | None = field(
+            default=None,
+            metadata={"help": "the held-out domain's rows tested: its test split (default) or all (FedCLIP)",
+                      "example": "all", "check": _eval_choice},
+        )  # fmt: skip
 
     key_parts = (
         KeyPart("per_domain", "pd", "{} per domain"),
         ALPHA_KEY,
         KeyPart("min_require_size", "mr", "min {} rows", after=True),
         KeyPart("held_out", "ho", "{} held out", "text", True),
+        KeyPart("held_out_eval", "he", "{} of it tested", "text", True),
     )
     words = "domains"
     implied_values = {"alpha": FEDOTP_BETA}  # per_domain > 1 without alpha draws with FedOTP's 0.1
@@ -209,6 +224,12 @@ class Domain(Scheme):
     def check(cls, params):
         if params.alpha is not None and not (math.isfinite(params.alpha) and params.alpha > 0):
             raise FedfeatError(f"alpha must be a finite number > 0, got {params.alpha} (e.g. 0.1)")
+        if params.held_out_eval is not None and _eval_choice(params.held_out_eval):
+            raise FedfeatError(f"held_out_eval {_eval_choice(params.held_out_eval)}")
+        if params.held_out_eval is not None and params.held_out is None:
+            raise FedfeatError(
+                "held_out_eval says which rows of the held-out domain are tested; pass held_out too"
+            )
         if params.alpha is not None and params.per_domain == 1:
             raise FedfeatError(
                 "alpha cuts a domain among its clients (per_domain > 1); with one client per domain drop alpha, or "
@@ -225,6 +246,8 @@ class Domain(Scheme):
             out["min_require_size"] = int(params.min_require_size)
         if params.held_out is not None:
             out["held_out"] = str(params.held_out)
+        if params.held_out_eval not in (None, "test"):
+            out["held_out_eval"] = str(params.held_out_eval)
         return out
 
     @classmethod
