@@ -101,6 +101,9 @@ class FedCLIPParams:
     )
     normalize: bool = False  # engine-side L2 normalisation of image features; code: raw get_image_features
     templates: Literal["first", "ensemble"] = "first"  # Fed-MP prompts one template ("A photo of {c}.")
+    # the server's weights: "size" (FedAvg by client samples); "uniform": FedCLIP's own code, client_weights =
+    # 1 / (clients - held-out domains) (PersonalizedFL fedclip/methods/fed_at_clip.py:158-159, communication)
+    aggregation: Literal["size", "uniform"] = "size"
 
     def validate(self) -> None:
         if self.local_epochs < 1 or self.batch_size < 1:
@@ -239,6 +242,11 @@ class FedCLIP(Method):
 
     def predict(self, ctx: Context, glob: dict, x: torch.Tensor) -> torch.Tensor:
         return ctx.clip_logit_scale * adapt(glob, x, self.p.adapter) @ ctx.text.T
+
+    def aggregate(self, ctx: Context, plan, glob: dict, cparams: dict) -> dict:
+        """FedAvg of the adapters, by client size or uniformly (``aggregation``)."""
+        w = plan.sizes if self.p.aggregation == "size" else torch.ones_like(plan.sizes)
+        return fedavg(cparams, w.to(ctx.device))
 
 
 @dataclass(frozen=True)
@@ -408,7 +416,8 @@ class FedMP(FedCLIP):
     def aggregate(self, ctx, plan, glob, cparams):
         adapter = {k: cparams[k] for k in ADAPTER}
         if not self.p.adaptive:
-            return fedavg(adapter, plan.sizes.to(ctx.device))
+            w = plan.sizes if self.p.aggregation == "size" else torch.ones_like(plan.sizes)
+            return fedavg(adapter, w.to(ctx.device))
         w = xi_weights(self.similarities(ctx, plan, cparams["res"]), self.p.weights)
         ctx.state["agg_weights"] = dict(zip(map(str, plan.clients.tolist()), w.tolist()))
         return fedavg(adapter, w)

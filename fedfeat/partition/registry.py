@@ -93,7 +93,11 @@ class Draw:
     domain_names: tuple[str, ...] = ()
 
 
-_PATTERNS = {"int": r"\d+", "real": r"[0-9.]+(?:e[+-]?\d+)?", "text": r".+"}
+_PATTERNS = {
+    "int": r"\d+",
+    "real": r"[0-9.]+(?:e[+-]?\d+)?",
+    "text": r".+?",
+}  # text: the shortest, so a later part still reads
 
 
 @dataclass(frozen=True)

@@ -252,11 +252,10 @@ class Domain(Scheme):
 
     @classmethod
     def describe(cls, values: dict[str, str]) -> str:
+        """The scheme in words (the held-out domain and its rows are the key's later parts, said after this)."""
         out = f"domains, {values.get('per_domain', '1')} client(s) per domain"
         if values.get("alpha") is not None:
             out += f", Dir(α = {values['alpha']}) inside"
-        if values.get("held_out") is not None:
-            out += f", {values['held_out']} held out"
         return out
 
     @classmethod
