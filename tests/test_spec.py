@@ -32,7 +32,7 @@ def test_train_sweep_and_partition_offer_the_specified_settings():
 
 def test_every_setting_has_help_and_a_toml_type():
     for k, f in spec.FIELDS.items():
-        assert f.help and f.type in (int, float, str), k
+        assert f.help and f.type in (int, float, str, bool), k  # bool: true / false in TOML, a --flag
         assert spec.DEFAULTS[k] == f.default
 
 

@@ -199,7 +199,12 @@ def load_run_data(
     check_labels(store)
     labels = store.labels("train")
     ov_parts = None
-    if partition.scheme == "disjoint-classes":
+    b2n = bool(partition.params.get("base_novel"))
+    if (
+        b2n
+    ):  # CoOp's base-to-novel: every shot trains, every test image of a class is tested (no held-out parts)
+        local_val, query_val = "none", "code"
+    if partition.scheme == "disjoint-classes" or b2n:
         from fedfeat.partition import openvocab
         from fedfeat.partition.core import Partition
 
@@ -240,8 +245,9 @@ def load_run_data(
             )
     ov = None
     if ov_parts is not None:
+        novel = partition.params.get("novel_classes") if b2n else None  # the protocol's, not the draws'
         ov, keep = _open_vocab(
-            ov_parts, labels, feats, tx_np, ty_np, has_test, K, query_val, query_seed, device, dtype
+            ov_parts, labels, feats, tx_np, ty_np, has_test, K, query_val, query_seed, device, dtype, novel
         )
     tx = torch.from_numpy(tx_np[keep]).to(device=device)  # [Nt, D] as stored
     lt = None
@@ -369,14 +375,22 @@ def holdout(y: np.ndarray, fraction: float, seed: int) -> np.ndarray:
     return out
 
 
-def _open_vocab(parts, labels, feats, tx_np, ty_np, has_test, K, query_val, query_seed, device, dtype):
-    """The ``OpenVocab`` of a disjoint-classes partition, and the query set's test rows (``keep``)."""
+def _open_vocab(
+    parts, labels, feats, tx_np, ty_np, has_test, K, query_val, query_seed, device, dtype, novel=None
+):
+    """The ``OpenVocab`` of a disjoint-classes partition (novel: the classes no client drew) or of a base-to-novel
+    run (``novel``: the protocol's second half of the classes, base the first), and the query set's test rows
+    (``keep``)."""
     from fedfeat.partition import openvocab
 
     clients, train_pos, val_pos = parts
     lists = openvocab.class_lists(clients, labels)
-    base = np.unique(np.concatenate(lists)) if lists else np.zeros(0, dtype=np.int64)
-    novel = np.setdiff1d(np.arange(K), base)
+    if novel is not None:
+        novel = np.asarray(novel, dtype=np.int64)
+        base = np.setdiff1d(np.arange(K), novel)
+    else:
+        base = np.unique(np.concatenate(lists)) if lists else np.zeros(0, dtype=np.int64)
+        novel = np.setdiff1d(np.arange(K), base)
     local = []  # per training row: its class's index in its client's list (Fed-MP's residual rows)
     for c, p in zip(lists, train_pos):
         lookup = np.full(K, -1, dtype=np.int64)

@@ -83,7 +83,8 @@ _plain = plain_number  # a number as the int it is, or a float (JSON-safe, and '
 
 
 def partition_key(partition_or_params) -> str:
-    """Short readable storage key, unique per parameter set: ``[lt<IF>+]<scheme><parts>-c<clients>-s<seed><parts>``,
+    """Short readable storage key, unique per parameter set:
+    ``[lt<IF>+][b2n+][shots<k>+]<scheme><parts>-c<clients>-s<seed><parts>``,
     the parts each scheme's ``key_parts`` (``fedfeat.partition.registry``; a name no scheme has: every scheme's).
 
     >>> partition_key({"scheme": "dirichlet-equal", "clients": 20, "alpha": 0.5, "imbalance_factor": 100,
@@ -99,6 +100,10 @@ def partition_key(partition_or_params) -> str:
         )
 
     key = f"{p['scheme']}{pieces(False)}-c{int(p['clients'])}-s{int(p['seed'])}{pieces(True)}"
+    if p.get("client_shots") is not None:
+        key = f"shots{int(p['client_shots'])}+{key}"
+    if p.get("base_novel"):
+        key = f"b2n+{key}"
     if p.get("imbalance_factor") is not None:
         key = f"lt{_plain(p['imbalance_factor'])}+{key}"
     return key

@@ -7,6 +7,7 @@ module knows none by name.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import numpy as np
@@ -81,6 +82,8 @@ def make_partition(
     domains=None,
     test_domains=None,
     domain_names=(),
+    base_novel: bool = False,
+    client_shots: int | None = None,
     **scheme_params,
 ) -> Partition:
     """Partition a split by name; the one entry point the CLI and the store use.
@@ -102,6 +105,11 @@ def make_partition(
     ``class_order`` (schemes with ``takes_class_order``: disjoint-classes): the class list the draws index, a
     permutation of the class ids (``disjoint_classes``' ``order``), recorded under ``class_order_name`` (its
     partition key says ``-o<name>``).
+    ``base_novel`` (CoOp's base-to-novel protocol, ``subsample_classes``): the scheme draws from the rows of the
+    first ``ceil(K / 2)`` classes only (label order), with ``n_classes`` = that; the rest are ``params["novel_classes"]``
+    (the key starts ``b2n+``). ``client_shots`` k (few-shot): after the draw each client keeps the first k of its
+    positions of every class it holds (the key starts ``shots<k>+``); the schemes' draws are random orders, so these
+    are k random samples of the class.
     ``domains`` / ``test_domains`` / ``domain_names`` (schemes with ``needs_domains``: ``domain``): each row's
     domain id in the split and the test split, and the domains' names (a store's ``domains(split)`` and
     ``domain_names``).
@@ -153,8 +161,19 @@ def make_partition(
         kept = longtail(labels, imbalance_factor, seed, n_classes=n_cls)
     else:
         kept = np.arange(len(labels), dtype=np.int64)
+    draw_classes = n_cls
+    if base_novel:
+        if cls.needs_test_labels:
+            raise FedfeatError(
+                f"base_novel: scheme {scheme!r} draws the test split too; use another scheme for base-to-novel runs"
+            )
+        draw_classes = math.ceil(n_cls / 2)  # CoOp subsample_classes: m = math.ceil(n / 2) base labels
+        kept = kept[labels[kept] < draw_classes]
+        test_labels = None  # the test split is the protocol's: base / novel rows, no client test draw
+    if client_shots is not None and (isinstance(client_shots, bool) or int(client_shots) < 1):
+        raise FedfeatError(f"client_shots must be >= 1, got {client_shots} (e.g. 8)")
     draw = Draw(
-        labels=labels[kept], clients=clients, seed=seed, n_classes=n_cls,
+        labels=labels[kept], clients=clients, seed=seed, n_classes=draw_classes,
         test_labels=None if test_labels is None or not cls.uses_test_labels else _labels(test_labels),
         class_order=class_order, class_order_name=class_order_name,
         domains=None if domains is None else domains[kept],
@@ -164,6 +183,8 @@ def make_partition(
     )  # fmt: skip
     parts, extra = cls.draw(draw, params)
     parts = [kept[p] for p in parts]
+    if client_shots is not None:
+        parts = [_first_shots(p, labels, int(client_shots)) for p in parts]
     empty = [i for i, p in enumerate(parts) if len(p) == 0]
     if empty:
         raise FedfeatError(
@@ -184,7 +205,23 @@ def make_partition(
     # the scheme's own parameters (in place where listed above, after the rest otherwise), then its extras
     record.update(cls.record(params))
     record.update(extra)
+    if base_novel:  # recorded only when set: the records of before are as they were
+        record["base_novel"] = True
+        record["novel_classes"] = list(range(draw_classes, n_cls))
+    if client_shots is not None:
+        record["client_shots"] = int(client_shots)
     return Partition(scheme, record, parts)
+
+
+def _first_shots(pos: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
+    """The first ``k`` positions of each class among ``pos`` (their order kept)."""
+    y = labels[pos]
+    order = np.argsort(y, kind="stable")  # class-major, each class in its draw order
+    ys = y[order]
+    starts = np.searchsorted(ys, ys, side="left")  # each entry's class's first index in the sorted order
+    rank = np.empty(len(pos), dtype=np.int64)
+    rank[order] = np.arange(len(pos)) - starts
+    return pos[rank < k]
 
 
 LOCAL_TEST = ("none", "proportional", "joint")

@@ -367,10 +367,15 @@ def parse_key(key: str) -> dict | None:
     >>> r["scheme"], r["imbalance_factor"], r["values"], r["seed"]
     ('dirichlet', '100', {'alpha': '0.1'}, '7')
     """
-    rest, imb = str(key), None
+    rest, imb, b2n, shots = str(key), None, False, None
     m = re.match(rf"^lt({_PATTERNS['real']})\+(.+)$", rest)
     if m:
         imb, rest = m.group(1), m.group(2)
+    if rest.startswith("b2n+"):  # the base-to-novel protocol
+        b2n, rest = True, rest[4:]
+    m = re.match(r"^shots(\d+)\+(.+)$", rest)  # k shots per client class
+    if m:
+        shots, rest = m.group(1), m.group(2)
     # a known name (longest first: "dirichlet-equal-..." is not "dirichlet" with "-equal..."), then any name
     names = sorted((n for n in SCHEMES if rest.startswith(n + "-")), key=len, reverse=True)
     for cls, rx in [(SCHEMES[n], _key_regex(re.escape(n), SCHEMES[n].key_parts)) for n in names] + [
@@ -382,5 +387,6 @@ def parse_key(key: str) -> dict | None:
             parts = cls.key_parts if cls is not None else key_parts("")
             values = {p.name: g[p.name] for p in parts if g.get(p.name) is not None}
             return {"scheme": g["scheme"], "cls": cls, "imbalance_factor": imb, "clients": g["clients"],
-                    "seed": g["seed"], "values": values, "parts": parts}  # fmt: skip
+                    "seed": g["seed"], "values": values, "parts": parts, "base_novel": b2n,
+                    "client_shots": shots}  # fmt: skip
     return None

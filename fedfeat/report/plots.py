@@ -635,7 +635,10 @@ def readable_partition(key: str) -> str:
     before = [p for p in k["parts"] if not p.after]
     words = cls.describe(values) if cls is not None else describe_generic(k["scheme"], before, values)
     n = k["clients"]
-    parts = ([f"LT IF={imb}"] if imb else []) + [words, f"{n} client{'s' if n != '1' else ''}"]
+    proto = (["base-to-novel"] if k.get("base_novel") else []) + (
+        [f"{k['client_shots']} shots per client class"] if k.get("client_shots") else []
+    )
+    parts = ([f"LT IF={imb}"] if imb else []) + proto + [words, f"{n} client{'s' if n != '1' else ''}"]
     if k["seed"] is not None:
         dflt = None if cls is None else cls.default_seed(float(imb) if imb else None)
         if int(k["seed"]) != dflt:

@@ -44,8 +44,8 @@ def parse_sets(sets: list[str] | None) -> dict:
 # ------------------------------------------------------------------ types of TOML values (config and grid files)
 INT64 = (-(2**63), 2**63 - 1)  # TOML's integers are 64-bit (tomllib reads any size)
 MAX_TOML_BYTES = 1 << 20  # a config or grid file is a few KB of TOML; a bigger one is not one
-_TYPE_WORDS = {int: "an integer", float: "a number", str: "a string"}
-_EXAMPLES = {int: "10", float: "0.5", str: '"text"'}
+_TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+_EXAMPLES = {int: "10", float: "0.5", str: '"text"', bool: "true"}
 _SCALAR_EXAMPLE = "a number, a string or true/false"
 
 
@@ -90,6 +90,8 @@ def check_setting(key: str, v, where: str, shown: str | None = None) -> None:
     want = TYPES.get(key, str)
     if want is float:
         ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    elif want is bool:
+        ok = isinstance(v, bool)
     else:
         ok = isinstance(v, want) and not isinstance(v, bool)
     if ok and isinstance(v, int) and not INT64[0] <= v <= INT64[1]:

@@ -64,6 +64,12 @@ def _imbalance(v, s):
     return f"must be a finite number >= 1, got {v} (e.g. 100)"
 
 
+def _client_shots(v, s):
+    if v is None or v >= 1:
+        return None
+    return f"must be >= 1, got {v} (e.g. 8: FedTPG's shots; 16: FedPGP's)"
+
+
 def _val_split(v, s):
     if v is None or (math.isfinite(v) and 0 <= v < 1):
         return None

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from fedfeat.spec.checks import (  # each setting's range check: value, spec -> complaint or None
     _choice,
     _class_order,
+    _client_shots,
     _device,
     _fraction,
     _imbalance,
@@ -234,6 +235,31 @@ _PARTITION_COMMON = [
             caches=("partition", "data"),
             check=_imbalance,
             examples=(2.0,),
+        ),
+    ),
+    (
+        "base_novel",
+        bool,
+        setting(
+            False,
+            "Base-to-novel protocol (CoOp's subsample_classes, FedTPG): the clients draw from the first "
+            "ceil(K/2) classes (label order) only; the other classes are novel, tested over the novel classes "
+            "(test_acc), the base ones over the base classes (base_acc), and their harmonic mean (hm). Any scheme "
+            "that does not draw the test split.",
+            caches=("partition", "data"),
+            examples=(True,),
+        ),
+    ),
+    (
+        "client_shots",
+        typing.Optional[int],
+        setting(
+            None,
+            "Few-shot: each client keeps at most k samples of each of its classes, the first k it drew (FedOTP / "
+            "FedPGP's k shots per class and client). Any scheme.",
+            caches=("partition", "data"),
+            check=_client_shots,
+            examples=(2,),
         ),
     ),
 ]
