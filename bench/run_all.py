@@ -55,6 +55,7 @@ def main() -> None:
             "bench_memory.py",
             "bench_scale.py",
             "bench_startup.py",
+            "bench_domain.py",
         ):
             path = ROOT / "bench" / script
             if path.exists():

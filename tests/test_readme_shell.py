@@ -136,6 +136,12 @@ SUBSTITUTIONS = {
         "fedfeat synth --out cache/synth-cifar10.zarr " + " ".join(SMALL),
         "a small store",
     ),
+    # the second store of the combine example must have the quickstart store's shape (one encoder): the small one's
+    "fedfeat synth --out cache/synth-other.zarr --classes 20 --seed 1 --no-stats": (
+        "fedfeat synth --out cache/synth-other.zarr --classes 20 --seed 1 --no-stats "
+        + " ".join(x for x in SMALL if x != "--no-stats"),
+        "the small store's dimension and templates (fedfeat combine takes stores of one encoder)",
+    ),
     # placeholders: a run directory an earlier command made
     "runs/<run>": (
         lambda wd: _one(wd, "runs/fst-cbdg__*"),
