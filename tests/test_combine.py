@@ -175,3 +175,22 @@ def test_each_dataset_is_predicted_over_its_own_classes(synth_pair, tmp_path):
     for i, name in enumerate(["pets", "cars"]):
         cls = np.unique(y[d == i])
         assert s["domain_acc"][name] == pytest.approx(100 * restricted[cls].sum() / (d == i).sum())
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedclip", "promptfl", "fedtpg"])
+def test_the_four_methods_train_across_two_stores(encoded_pair, tmp_path, monkeypatch, method):
+    """A federation across two datasets (issue 38): each method of the four trains on the combined store with one
+    client per dataset, and its per-dataset accuracy is each dataset's over its own classes."""
+    monkeypatch.setenv("FEDFEAT_CACHE_DIR", str(tmp_path / "cache"))
+    tc, (c10, animals) = encoded_pair
+    out = tmp_path / "two.zarr"
+    combine_stores(out, [c10, animals], ["cifar10", "animals"], log=lambda *a: None)
+    extra = ["--set", "n_ctx=2"] if method in ("promptfl", "fedtpg") else []
+    r = run_cli(["train", "--store", out, "--method", method, "--partition", "domain", "--clients", 2,
+                 "--participation", 1.0, "--rounds", 1, "--set", "local_epochs=1", *extra, "--out", tmp_path / "runs"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    run = next((tmp_path / "runs").glob("*/summary.json")).parent
+    s = json.loads((run / "summary.json").read_text())
+    assert set(s["domain_acc"]) == {"cifar10", "animals"}
+    conf = __import__("numpy").load(run / "results.npz")["confusion"]
+    assert conf[:10, 10:].sum() == 0 and conf[10:, :10].sum() == 0  # each dataset over its own classes

@@ -214,3 +214,30 @@ def test_held_out_domain_is_the_test_set(pacs_store, tmp_path, monkeypatch):
     whole = sum(int(((st.domains(sp) == 3) & (st.labels(sp) >= 0)).sum()) for sp in st.splits)
     assert conf.sum() == whole > int((st.domains("test") == 3).sum())  # more rows than its test split alone
     assert json.loads((run / "summary.json").read_text())["partition"].endswith("-hosketch-heall")
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedclip", "promptfl", "fedtpg"])
+@pytest.mark.parametrize("setting", ["few-shot pathological", "base-to-novel"])
+def test_methods_train_few_shot_pathological_and_base_to_novel(
+    pacs_store, tmp_path, method, setting, monkeypatch
+):
+    monkeypatch.setenv("FEDFEAT_CACHE_DIR", str(tmp_path / "cache"))
+    extra = ["--set", "n_ctx=2"] if method in ("promptfl", "fedtpg") else []
+    part = (["--partition", "pathological", "--classes-per-client", 2, "--clients", 3, "--client-shots", 2]
+            if setting == "few-shot pathological" else ["--partition", "iid", "--clients", 2, "--base-novel"])  # fmt: skip
+    r = run_cli(["train", "--store", pacs_store, "--method", method, *part, "--participation", 1.0, "--rounds", 1,
+                 "--set", "local_epochs=1", *extra, "--out", tmp_path / "runs"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    run = next((tmp_path / "runs").glob("*/summary.json")).parent
+    p = json.loads((run / "partition.json").read_text())
+    s = json.loads((run / "summary.json").read_text())
+    from fedfeat.store.featurestore import FeatureStore
+
+    y = FeatureStore.open(pacs_store).labels("train")
+    if setting == "few-shot pathological":
+        assert p["params"]["client_shots"] == 2
+        assert all(np.bincount(y[c]).max() <= 2 and len(set(y[c])) <= 2 for c in p["clients"])
+    else:  # the fixture's 3 classes: the first ceil(3 / 2) = 2 are base
+        assert p["params"]["novel_classes"] == [2]
+        assert set(y[np.concatenate(p["clients"])]) == {0, 1}
+        assert s["base_acc"] is not None and s["hm"] is not None
