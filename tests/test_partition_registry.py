@@ -35,7 +35,7 @@ def _draw(name: str, **extra):
     kw = P.fill_defaults(name, {})
     if cls.uses_test_labels:
         kw["test_labels"] = TEST_LABELS
-    if cls.needs_domains:
+    if cls.uses_domains:
         kw.update(domains=DOMAINS, test_domains=TEST_DOMAINS, domain_names=DOMAIN_NAMES)
     errors = []
     for clients in CLIENTS:

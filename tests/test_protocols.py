@@ -82,3 +82,72 @@ def test_base_to_novel_run_reports_novel_base_and_their_harmonic_mean(tmp_path):
     base_acc = 100 * np.mean(z[base][:, :5].argmax(1) == ty[base])
     assert s["final_acc"] == pytest.approx(novel_acc) and s["base_acc"] == pytest.approx(base_acc)
     assert s["hm"] == pytest.approx(2 * novel_acc * base_acc / (novel_acc + base_acc))
+
+
+def fedtpg_reference(
+    dataset_classes: list[list], data_cnames: list[list], num_class_per_client: int, k: int, seed: int
+) -> list[list]:
+    """boschresearch/FedTPG @ f141c29 federated/server.py:97-132 ``init_server`` (the client class lists) and
+    dataloader/dm_federated.py:33-60 ``ClassSampler`` (each client's k shots per class), transcribed with python's
+    global ``random`` as the code uses it (state restored after). ``dataset_classes``: each dataset's (base) class
+    labels in order; ``data_cnames``: each dataset's train items' class labels in dataset order. Returns each
+    client's sampled item positions within its dataset, and the dataset of each client."""
+    import random as R
+
+    state = R.getstate()
+    try:
+        out, owner = [], []
+        client_id, last_num_clients = 0, 0
+        for di, cls in enumerate(dataset_classes):
+            m = len(cls)
+            all_cls_idx = np.arange(m)
+            num_client_dataset = np.around(m / num_class_per_client).astype(int)
+            if num_client_dataset == 0:
+                num_client_dataset = 1
+            current_num_clients = last_num_clients + num_client_dataset
+            while client_id < current_num_clients:
+                if client_id == current_num_clients - 1:
+                    available_cls = all_cls_idx[(client_id - last_num_clients) * num_class_per_client :]
+                else:
+                    available_cls = all_cls_idx[(client_id - last_num_clients) * num_class_per_client :
+                                                (client_id - last_num_clients + 1) * num_class_per_client]  # fmt: skip
+                classes = [cls[i] for i in available_cls]
+                R.seed(seed)  # ClassSampler._create_class_to_indices
+                idx = []
+                for c in classes:
+                    valid_idx = np.where(np.array(data_cnames[di]) == c)[0].tolist()
+                    try:
+                        sample_idx = R.sample(valid_idx, k)
+                    except ValueError:
+                        sample_idx = valid_idx
+                    idx += sample_idx
+                out.append(idx)
+                owner.append(di)
+                client_id += 1
+            last_num_clients = current_num_clients
+        return out, owner
+    finally:
+        R.setstate(state)
+
+
+def test_class_blocks_equal_fedtpgs_clients_and_shots():
+    """Two datasets of 45 and 30 classes (a combined store), base-to-novel (the first ceil(n/2) of each): FedTPG's
+    blocks of 10 and 8 shots per class, item for item."""
+    rng = np.random.default_rng(3)
+    n = (45, 30)
+    y = [rng.integers(0, k, 400) for k in n]  # each dataset's labels in its own ids, dataset order
+    y[1][:5] = 29  # a class with few images: all of them (the code's except branch)
+    y[1] = np.where((y[1] == 14) & (np.arange(400) > 5), 13, y[1])  # class 14: its 0..? images
+    labels = np.concatenate([y[0], 45 + y[1]])
+    domains = np.concatenate([np.zeros(400, int), np.ones(400, int)])
+    groups = [list(range(45)), list(range(45, 75))]
+    p = make_partition(labels, "class-blocks", clients=4, block_classes=10, shots=8, seed=43, domains=domains,
+                       domain_names=("sun", "dtd"), base_novel=True, class_groups=groups)  # fmt: skip
+    base = [list(range(math.ceil(k / 2))) for k in n]  # FedTPG: m = ceil(n / 2) base labels of each dataset
+    ref, owner = fedtpg_reference(base, [list(v) for v in y], 10, 8, 43)
+    assert len(p.clients) == len(ref) == 4 and p.params["client_domains"] == ["sun", "sun", "dtd", "dtd"]
+    for c, r, o in zip(p.clients, ref, owner):
+        start = 0 if o == 0 else 400
+        assert c.tolist() == [start + i for i in r]
+    assert p.params["novel_classes"] == list(range(23, 45)) + list(range(60, 75))
+    assert partition_key(p) == "b2n+class-blocks-b10-shot8-c4-s43"

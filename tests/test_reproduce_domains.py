@@ -47,3 +47,72 @@ def test_fedclip_pacs_runs_on_a_domain_stand_in(tiny, tmp_path, monkeypatch):
         assert by[("FedCLIP", col)]["mean"] == pytest.approx(s["final_acc"])
     md = R.reproduce("fedclip-pacs", fmt="markdown", **kw)
     assert "SYNTHETIC STAND-IN" in md and "| FedCLIP |" in md and "(95.24)" in md and "sketch held out" in md
+
+
+@pytest.fixture()
+def tiny_tpg(monkeypatch):
+    """Three of FedTPG's nine datasets, 6 / 4 / 8 classes (base 3 / 2 / 4: one client each at blocks of 20), D = 16;
+    the live stand-ins (the prompt rows) 6 + 3 images per class."""
+    import dataclasses
+
+    import fedfeat.runs.standin as standin
+
+    three = ["caltech101", "oxford_pets", "dtd"]
+    sh = dict(train_per_class=10, test_per_class=4, dim=16, templates=1)
+    shapes = {(d, "ViT-B-16"): dict(classes=k, **sh) for d, k in zip(three, (6, 4, 8))}
+    shapes[("fedtpg-9", "ViT-B-16")] = {"combine": ",".join(three)}
+    monkeypatch.setattr(R, "SYNTH_SHAPES", shapes)
+    monkeypatch.setattr(standin, "LIVE_TRAIN", 6)
+    monkeypatch.setattr(standin, "LIVE_TEST", 3)
+    for name in ("fedtpg-base", "fedtpg-new", "fedtpg-hm"):
+        t = R.TABLES[name]
+        cols = [c for c in t.columns if c.domain in three]
+        rows = [dataclasses.replace(r, params={"n_ctx": "2", "local_epochs": "1"}) for r in t.rows]
+        paper = {k: [v[i] for i, c in enumerate(t.columns) if c.domain in three] for k, v in t.paper.items()}
+        monkeypatch.setitem(R.TABLES, name, dataclasses.replace(t, columns=cols, rows=rows, paper=paper,
+                                                                fixed={**t.fixed, "clients": 3}))  # fmt: skip
+    return three
+
+
+def test_fedtpg_tables_are_its_cross_class_setting():
+    t = R.TABLES["fedtpg-base"]
+    assert [c.domain for c in t.columns] == ["caltech101", "oxford_flowers", "fgvc_aircraft", "ucf101", "oxford_pets",
+                                             "food101", "dtd", "stanford_cars", "sun397"]  # fmt: skip
+    assert {(c.settings["partition"], c.settings["base_novel"]) for c in t.columns} == {
+        ("class-blocks", True)
+    }
+    assert t.fixed == {"clients": 30, "participation": 1.0, "rounds": 500} and t.backbone == "ViT-B-16"
+    assert t.paper["FedTPG"][0] == 97.2 and t.paper_avg["FedTPG"] == 73.61
+    assert R.TABLES["fedtpg-new"].paper_avg["FedTPG"] == 76.24 and R.TABLES["fedtpg-hm"].paper == {}
+    # 30 clients: each dataset's base classes (ceil(n / 2)) in blocks of 20, rounded as np.around does
+    import math
+
+    import numpy as np
+
+    n = {"caltech101": 100, "oxford_flowers": 102, "fgvc_aircraft": 100, "ucf101": 101, "oxford_pets": 37,
+         "food101": 101, "dtd": 47, "stanford_cars": 196, "sun397": 397}  # fmt: skip
+    assert {k: R.SYNTH_SHAPES[(k, "ViT-B-16")]["classes"] for k in n} == n
+    assert sum(max(1, int(np.around(math.ceil(k / 2) / 20))) for k in n.values()) == 30
+
+
+def test_fedtpg_tables_run_on_combined_stand_ins(tiny_tpg, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    kw = dict(store_root=tmp_path / "cache", synthetic=True, seeds=1, rounds=1, out=tmp_path / "runs",
+              log=lambda *a: None)  # fmt: skip
+    base = {(c["row"], c["column"]): c for c in json.loads(R.reproduce("fedtpg-base", fmt="json", **kw))}
+    new = {(c["row"], c["column"]): c for c in json.loads(R.reproduce("fedtpg-new", fmt="json", **kw))}
+    runs = [json.loads(p.read_text()) for p in (tmp_path / "runs").glob("*/summary.json")]
+    assert sorted(s["method"] for s in runs) == [
+        "fedtpg",
+        "promptfl",
+    ]  # the three tables read the same two runs
+    for s in runs:
+        assert s["partition"] == "b2n+class-blocks-b20-shot8-c3-s43"
+        assert set(s["domain_novel_acc"]) == set(tiny_tpg)
+        row = {"fedtpg": "FedTPG", "promptfl": "PromptFL"}[s["method"]]
+        for col, dom in zip(("Caltech", "Pets", "DTD"), tiny_tpg):
+            assert base[(row, col)]["mean"] == pytest.approx(s["domain_base_acc"][dom])
+            assert new[(row, col)]["mean"] == pytest.approx(s["domain_novel_acc"][dom])
+    assert base[("FedTPG", "Caltech")]["paper"] == 97.2 and new[("FedTPG", "DTD")]["paper"] == 61.7
+    md = R.reproduce("fedtpg-hm", fmt="markdown", **kw)
+    assert "SYNTHETIC STAND-IN" in md and "| FedTPG |" in md and "prints no harmonic mean" in md

@@ -82,6 +82,9 @@ def variants(method: str, stores: dict) -> list[tuple[str, dict]]:
                 s["clients"] = (1 if s.get("held_out") else 2) * int(s.get("per_domain") or 1)
                 if int(s.get("per_domain") or 1) > 1:  # 5 clients of a tiny domain: some get no test row
                     s.setdefault("min_require_size", 0)
+            if f.context.get("partition") == "class-blocks" or (k == "partition" and v == "class-blocks"):
+                s.pop("alpha", None)  # 10 classes in blocks of 20 (or 10): one client
+                s["clients"] = max(1, round(10 / int(s.get("block_classes") or 20)))
             if s == base:
                 continue
             out.append((f"{k}={v}", s))

@@ -341,23 +341,39 @@ def _domain_data(store, keep: np.ndarray, device, closed: bool, params: dict) ->
     d = doms("test") if closed and doms is not None else None
     if params.get("held_out_eval") == "all":
         d = np.full(len(keep), list(params["domain_names"]).index(params["held_out"]), dtype=np.int64)
+    if (
+        d is None
+        and not closed
+        and getattr(store, "domain_names", None)
+        and store.attrs.get("domain_classes")
+    ):
+        # an open-vocabulary / base-to-novel run on a combined store: each dataset's vocabulary, no test_domains
+        # (its evaluation groups the query and base rows by their classes' dataset)
+        names = list(store.domain_names)
+        return {"domain_names": names, "domain_classes": _checked_classes(store, names)}
     if d is None:
         return {}
     names = list(store.domain_names or [f"domain {i}" for i in range(int(d.max(initial=-1)) + 1)])
-    classes = store.attrs.get("domain_classes")
-    if classes is not None:
-        K = store.n_classes
-        if len(classes) != len(names) or any(not 0 <= int(c) < K for cs in classes for c in cs):
-            raise FedfeatError(
-                f"store {store.path}: domain_classes does not list class ids of its {len(names)} domains; rebuild it "
-                "with `fedfeat combine`"
-            )
-        classes = [[int(c) for c in cs] for cs in classes]
+    classes = _checked_classes(store, names)
     return {
         "test_domains": torch.from_numpy(d[keep].astype(np.int64)).to(device),
         "domain_names": names,
         "domain_classes": classes,
     }
+
+
+def _checked_classes(store, names: list) -> list | None:
+    """A combined store's ``domain_classes`` (each dataset's class ids), checked; None for another store."""
+    classes = store.attrs.get("domain_classes")
+    if classes is None:
+        return None
+    K = store.n_classes
+    if len(classes) != len(names) or any(not 0 <= int(c) < K for cs in classes for c in cs):
+        raise FedfeatError(
+            f"store {store.path}: domain_classes does not list class ids of its {len(names)} domains; rebuild it "
+            "with `fedfeat combine`"
+        )
+    return [[int(c) for c in cs] for cs in classes]
 
 
 def holdout(y: np.ndarray, fraction: float, seed: int) -> np.ndarray:

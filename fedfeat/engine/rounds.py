@@ -302,6 +302,10 @@ def evaluate_open_vocab(method, ctx: Context, glob: dict, test_y: torch.Tensor, 
     from fedfeat.partition.openvocab import harmonic_mean, macro_prf
 
     ov = ctx.open_vocab
+    if (
+        getattr(ctx, "domain_classes", None) is not None
+    ):  # a combined store: each dataset over its own classes
+        return _open_vocab_by_domain(method, ctx, glob, test_y, n_classes)
     novel = ov.novel.to(test_y.device)
     pred = method.predict_classes(ctx, glob, ctx.test_x, novel)  # [Nq] class ids
     correct = (pred == test_y).to(torch.float64)
@@ -329,6 +333,49 @@ def evaluate_open_vocab(method, ctx: Context, glob: dict, test_y: torch.Tensor, 
         "base_acc": base_acc,
         "hm": harmonic_mean(acc, base_acc),
     }
+    pc = (hits / cnt.clamp_min(1)).tolist()
+    return {"acc": acc, "per_class_acc": [100 * v for v in pc], "pred": pred, "extra": extra}
+
+
+def _open_vocab_by_domain(method, ctx: Context, glob: dict, test_y: torch.Tensor, n_classes: int) -> dict:
+    """Base-to-novel on a combined store (FedTPG's cross-dataset evaluation, ``dm_federated.py`` ``TestDataManager``):
+    each dataset's novel test images over its novel classes, its base ones over its base classes (one prediction per
+    dataset and split: a loop over the datasets, not the clients); ``acc`` / ``base_acc`` over all images, and per
+    dataset ``domain_novel_acc`` / ``domain_base_acc`` / ``domain_hm``."""
+    from fedfeat.partition.openvocab import harmonic_mean, macro_prf
+
+    ov, dev = ctx.open_vocab, test_y.device
+    novel, base = set(ov.novel.tolist()), set(ov.base.tolist())
+    by = ov.base_y.to(dev)
+    pred, bpred = torch.full_like(test_y, -1), torch.full_like(by, -1)
+    per: dict[str, dict] = {"domain_novel_acc": {}, "domain_base_acc": {}, "domain_hm": {}}
+    for name, cls in zip(ctx.domain_names, ctx.domain_classes):
+        out = {}
+        for key, keep, y, x, p in (
+            ("novel", novel, test_y, ctx.test_x, pred),
+            ("base", base, by, ov.base_x, bpred),
+        ):
+            vocab = torch.tensor([c for c in cls if c in keep], dtype=torch.int64, device=dev)
+            rows = torch.isin(y, vocab) if len(vocab) else torch.zeros_like(y, dtype=torch.bool)
+            if rows.any():
+                p[rows] = method.predict_classes(ctx, glob, x[rows], vocab)
+                out[key] = float((p[rows] == y[rows]).double().mean()) * 100
+        per["domain_novel_acc"][name] = out.get("novel")
+        per["domain_base_acc"][name] = out.get("base")
+        per["domain_hm"][name] = harmonic_mean(out.get("novel"), out.get("base"))
+    correct = (pred == test_y).to(torch.float64)
+    hits = torch.zeros(n_classes, dtype=torch.float64, device=dev).index_add_(0, test_y, correct)
+    cnt = torch.bincount(test_y, minlength=n_classes).to(torch.float64)
+    precision, recall, f1 = macro_prf(pred, test_y, ov.novel.to(dev))
+    acc = float(correct.mean()) * 100 if len(correct) else 0.0
+    base_acc = None
+    if len(by):
+        bc = (bpred == by).to(torch.float64)
+        base_acc = float(bc.mean()) * 100
+        hits.index_add_(0, by, bc)
+        cnt += torch.bincount(by, minlength=n_classes).to(torch.float64)
+    extra = {"novel_precision": 100 * precision, "novel_recall": 100 * recall, "novel_f1": 100 * f1,
+             "base_acc": base_acc, "hm": harmonic_mean(acc, base_acc), **per}  # fmt: skip
     pc = (hits / cnt.clamp_min(1)).tolist()
     return {"acc": acc, "per_class_acc": [100 * v for v in pc], "pred": pred, "extra": extra}
 

@@ -84,6 +84,7 @@ def make_partition(
     domain_names=(),
     base_novel: bool = False,
     client_shots: int | None = None,
+    class_groups=None,
     **scheme_params,
 ) -> Partition:
     """Partition a split by name; the one entry point the CLI and the store use.
@@ -107,7 +108,8 @@ def make_partition(
     partition key says ``-o<name>``).
     ``base_novel`` (CoOp's base-to-novel protocol, ``subsample_classes``): the scheme draws from the rows of the
     first ``ceil(K / 2)`` classes only (label order), with ``n_classes`` = that; the rest are ``params["novel_classes"]``
-    (the key starts ``b2n+``). ``client_shots`` k (few-shot): after the draw each client keeps the first k of its
+    (the key starts ``b2n+``; ``class_groups``, a combined store's ``domain_classes``: the first half of each
+    dataset's classes, FedTPG's per-dataset base classes). ``client_shots`` k (few-shot): after the draw each client keeps the first k of its
     positions of every class it holds (the key starts ``shots<k>+``); the schemes' draws are random orders, so these
     are k random samples of the class.
     ``domains`` / ``test_domains`` / ``domain_names`` (schemes with ``needs_domains``: ``domain``): each row's
@@ -151,6 +153,12 @@ def make_partition(
             )
         if imbalance_factor is not None:
             raise FedfeatError(f"scheme {scheme!r} takes no imbalance factor; drop imbalance_factor")
+    elif cls.uses_domains and domains is not None:
+        domains = np.asarray(domains, dtype=np.int64)
+        if domains.shape != labels.shape:
+            raise FedfeatError(
+                f"domains has {len(domains)} entries for {len(labels)} labels; give one per row"
+            )
     elif domains is not None or test_domains is not None:
         raise FedfeatError(f"scheme {scheme!r} does not draw by domain; drop domains")
     n_cls = _n_classes(labels, n_classes)
@@ -167,8 +175,16 @@ def make_partition(
             raise FedfeatError(
                 f"base_novel: scheme {scheme!r} draws the test split too; use another scheme for base-to-novel runs"
             )
-        draw_classes = math.ceil(n_cls / 2)  # CoOp subsample_classes: m = math.ceil(n / 2) base labels
-        kept = kept[labels[kept] < draw_classes]
+        if class_groups:  # each dataset's first half (FedTPG server.py:108-112, dm_federated.py:188-193)
+            base = np.concatenate(
+                [np.asarray(g, dtype=np.int64)[: math.ceil(len(g) / 2)] for g in class_groups]
+            )
+        else:  # CoOp subsample_classes: m = math.ceil(n / 2) base labels
+            base = np.arange(math.ceil(n_cls / 2))
+        is_base = np.zeros(n_cls, dtype=bool)
+        is_base[base] = True
+        kept = kept[is_base[labels[kept]]]
+        draw_classes = n_cls if class_groups else len(base)
         test_labels = None  # the test split is the protocol's: base / novel rows, no client test draw
     if client_shots is not None and (isinstance(client_shots, bool) or int(client_shots) < 1):
         raise FedfeatError(f"client_shots must be >= 1, got {client_shots} (e.g. 8)")
@@ -180,6 +196,8 @@ def make_partition(
         test_domains=None if test_domains is None or test_labels is None or not cls.uses_test_labels
         else np.asarray(test_domains, dtype=np.int64),
         domain_names=tuple(domain_names or ()),
+        class_groups=None if not class_groups else tuple(
+            tuple(int(c) for c in (g[: math.ceil(len(g) / 2)] if base_novel else g)) for g in class_groups),
     )  # fmt: skip
     parts, extra = cls.draw(draw, params)
     parts = [kept[p] for p in parts]
@@ -207,7 +225,7 @@ def make_partition(
     record.update(extra)
     if base_novel:  # recorded only when set: the records of before are as they were
         record["base_novel"] = True
-        record["novel_classes"] = list(range(draw_classes, n_cls))
+        record["novel_classes"] = np.flatnonzero(~is_base).tolist()
     if client_shots is not None:
         record["client_shots"] = int(client_shots)
     return Partition(scheme, record, parts)

@@ -91,6 +91,8 @@ class Draw:
     domains: np.ndarray | None = None
     test_domains: np.ndarray | None = None
     domain_names: tuple[str, ...] = ()
+    # each domain's class ids (a combined store's domain_classes; the base half of each under base_novel), or None
+    class_groups: tuple | None = None
 
 
 _PATTERNS = {
@@ -146,6 +148,9 @@ class Scheme:
     uses_test_labels: ClassVar[bool] = False  # ... may (its test clients when given the test labels)
     takes_class_order: ClassVar[bool] = False  # make_partition's class_order / class_order_name
     needs_domains: ClassVar[bool] = False  # draws by each row's domain (a store that records domains)
+    uses_domains: ClassVar[bool] = (
+        False  # ... may (each dataset of a combined store apart; one domain without)
+    )
     # the error when the test labels are missing or an imbalance factor is given that the scheme cannot take
     inputs_message: ClassVar[str] = ""
 
@@ -285,6 +290,8 @@ def register_scheme(cls: type[Scheme]) -> type[Scheme]:
             )
     if cls.needs_test_labels:
         cls.uses_test_labels = True
+    if cls.needs_domains:
+        cls.uses_domains = True
     SCHEMES[cls.name] = cls
     for name in sorted(SCHEMES, key=lambda n: (SCHEMES[n].order, n)):
         SCHEMES.move_to_end(name)

@@ -40,9 +40,11 @@ def _test_labels(st: FeatureStore, scheme: str) -> np.ndarray:
 def _domain_args(st, cls, split: str, valid, with_test: bool) -> dict:
     """A domain scheme's rows' domains (``<split>/domains`` of the valid rows, and the test split's) and names;
     nothing for the other schemes. A store without domains is a one-line error naming where domains come from."""
-    if not cls.needs_domains:
+    if not cls.uses_domains:
         return {}
     d = st.domains(split)
+    if d is None and not cls.needs_domains:  # a scheme that may draw by domain, on a store without domains
+        return {}
     if d is None:
         raise FedfeatError(
             f"scheme {cls.name!r} draws clients by domain, and store {st.path} records no domains; encode a domain "
@@ -67,6 +69,7 @@ def store_partition(
     save: bool = True,
     class_order=None,
     class_order_name: str | None = None,
+    base_novel: bool = False,
     **scheme_params,
 ):
     """Make (or load, when already stored) a partition of a store's split. Returns ``(key, Partition)``.
@@ -94,6 +97,8 @@ def store_partition(
         class_order=class_order,
         class_order_name=class_order_name,
         **_domain_args(st, cls, split, valid, with_test),
+        **({"class_groups": st.attrs.get("domain_classes")} if base_novel or cls.uses_domains else {}),
+        base_novel=base_novel,
         **scheme_params,
     )
     if len(valid) != len(labels):  # map positions among valid rows back to split rows

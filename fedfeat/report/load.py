@@ -17,6 +17,8 @@ from fedfeat.report.rundir import CHECKPOINT, read_metrics, read_regular
 
 SUMMARY_EXTRAS = ("many_acc", "medium_acc", "few_acc", "pseudo_label_acc", "novel_precision", "novel_recall",
                   "novel_f1", "base_acc", "hm", "local_acc", "local_acc_std", "val_acc")  # fmt: skip
+# per-domain figures ({domain name: value}; a store with domains, a combined store's base-to-novel run)
+DOMAIN_EXTRAS = ("domain_acc", "domain_novel_acc", "domain_base_acc", "domain_hm")
 SUMMARY_KEYS = ("method", "partition", "rounds", "initial_acc", "final_acc", "best_acc", "seconds_per_round",
                 "bytes_up", "params")  # fmt: skip
 
@@ -37,7 +39,7 @@ OPTIONAL_TYPES = {
     "kernel": (str,), "device": (str,), "best_val_acc": _NUM, "best_val_round": (int,),
     "test_acc_at_best_val": _NUM, **{k: _NUM for k in SUMMARY_EXTRAS}, **{k: (int,) for k in MEMORY_KEYS},
     "diverged": (dict,), "weights_sha256": (str,), "seconds_per_image": _NUM, "trainable_params": (int,),
-    "domain_acc": (dict,),
+    **{k: (dict,) for k in DOMAIN_EXTRAS},
 }  # fmt: skip
 TYPE_NAMES = {_NUM: "a number", (int,): "an integer", (str,): "a string", (dict,): "a table (JSON object)",
               (bool,): "true or false"}  # fmt: skip

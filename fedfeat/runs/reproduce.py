@@ -83,6 +83,9 @@ class Column:
     # the summary.json key this column reports ("" : the table's ``metric``): CLIP2FL Table 2's All / Many / Medium /
     # Few columns are one set of runs read four ways; columns of the same dataset and settings share their runs
     metric: str = ""
+    # a domain (a dataset of a combined store): the column reports the per-domain metric's value of it
+    # (``domain_base_acc`` of "dtd": ``derived_metric``'s ``domain_base_acc:dtd``)
+    domain: str = ""
 
 
 @dataclass(frozen=True)
@@ -169,10 +172,12 @@ def _frozen_params(store: str | None, backbone: str) -> int | None:
 
 def derived_metric(table: Table, key: str, summary: dict):
     """A cell's value from a run's summary: the key itself, or a figure derived from it --
-    ``domain_acc:NAME`` (domain NAME's test accuracy), ``domain_acc_mean`` (their unweighted mean), ``trainable_share``: ``100 x trainable_params / (trainable_params + frozen CLIP's parameters)`` (Fed-MP Table 3's
+    ``KEY:NAME`` (domain NAME's value of a per-domain figure, e.g. ``domain_acc:sketch``), ``domain_acc_mean`` (their unweighted mean), ``trainable_share``: ``100 x trainable_params / (trainable_params + frozen CLIP's parameters)`` (Fed-MP Table 3's
     "ratio of trainable parameters"; ``_frozen_params``). None where the run records none."""
-    if key.startswith("domain_acc:"):  # one domain's test accuracy (a domain federation: summary.json domain_acc)
-        return (summary.get("domain_acc") or {}).get(key.split(":", 1)[1])
+    if ":" in key:  # one domain's figure (summary.json domain_acc / domain_base_acc / ...: {domain: value})
+        name, dom = key.split(":", 1)
+        per = summary.get(name)
+        return per.get(dom) if isinstance(per, dict) else None
     if key == "domain_acc_mean":  # the unweighted mean over the domains (FedCLIP's / FedOTP's "Avg")
         vals = [v for v in (summary.get("domain_acc") or {}).values() if v is not None]
         return float(np.mean(vals)) if vals else None
@@ -186,8 +191,11 @@ def derived_metric(table: Table, key: str, summary: dict):
 
 
 def metric_of(table: Table, c: int) -> str:
-    """The summary.json key column ``c`` reports: its own ``metric``, else the table's."""
-    return table.columns[c].metric or table.metric
+    """The summary.json key column ``c`` reports: its own ``metric``, else the table's; ``KEY:DOMAIN`` for a domain
+    column (a per-domain figure, ``derived_metric``)."""
+    col = table.columns[c]
+    key = col.metric or table.metric
+    return f"{key}:{col.domain}" if col.domain else key
 
 
 def _metrics_text(table: Table) -> str:
@@ -196,6 +204,9 @@ def _metrics_text(table: Table) -> str:
     keys = [metric_of(table, c) for c in range(len(table.columns))]
     if len(set(keys)) == 1:
         return keys[0]
+    bare = {c.metric or table.metric for c in table.columns}
+    if len(bare) == 1 and all(c.domain for c in table.columns):  # one per-domain figure, a column per domain
+        return f"{bare.pop()} of each column's dataset ({', '.join(c.domain for c in table.columns)})"
     return ", ".join(f"{col.label}: {k}" for col, k in zip(table.columns, keys))
 
 
@@ -263,9 +274,18 @@ def build_hint(table: Table, dataset: str, root: Path) -> str:
     return "`" + table.make_target.format(dataset=dataset, root=root, format=fmt, data=data)
 
 
+def _parts(shape: dict) -> list[str]:
+    """The datasets a combined stand-in is made of (a shape ``{combine = "a,b,..."}``: ``fedfeat combine``'s store of
+    their stand-ins, each a domain with its own classes); [] for a plain shape."""
+    return [x.strip() for x in str(shape.get("combine", "")).split(",") if x.strip()]
+
+
 def _classes_of(dataset: str) -> int | None:
     """How many classes ``dataset`` has (its stand-in shapes, which follow the dataset; None: not known here)."""
-    ks = {shape.get("classes") for (ds, _), shape in SYNTH_SHAPES.items() if ds == dataset}
+    ks = set()
+    for (ds, bb), shape in SYNTH_SHAPES.items():
+        if ds == dataset:
+            ks.add(sum(SYNTH_SHAPES[(p, bb)]["classes"] for p in _parts(shape)) if _parts(shape) else shape.get("classes"))
     return ks.pop() if len(ks) == 1 else None
 
 
@@ -294,7 +314,8 @@ def _store_problem(path, dataset: str, backbone: str) -> str | None:
     k, want = len(a.get("class_names") or ()), _classes_of(dataset)
     if want is not None and k != want:
         return f"store {path} has {k} classes, {dataset} has {want}; is it another dataset's store?"
-    dim = (SYNTH_SHAPES.get((dataset, backbone)) or {}).get("dim")
+    shape = SYNTH_SHAPES.get((dataset, backbone)) or {}
+    dim = (SYNTH_SHAPES[(_parts(shape)[0], backbone)] if _parts(shape) else shape).get("dim")
     if dim is not None and a.get("embed_dim") != dim:
         return f"store {path} has D = {a.get('embed_dim')}, {backbone} gives D = {dim}; re-encode it"
     return None
@@ -327,6 +348,14 @@ def find_store(
     ``dataset``'s classes). A missing store is a one-line error naming the make target that builds it; one that
     is there but unusable (an empty folder, damaged, unfinished, of another backbone or class count) is a one-line
     error naming it and what is wrong -- never a table of n/a."""
+    if synthetic and _parts(SYNTH_SHAPES[(dataset, backbone)]):  # a federation across datasets: their stand-ins
+        from fedfeat.store.combine import combine_stores
+
+        names = _parts(SYNTH_SHAPES[(dataset, backbone)])
+        parts = [find_store(root, p, backbone, table, True, log) for p in names]
+        path = root / f"synth-{dataset}-{backbone.lower()}.zarr"
+        combine_stores(path, parts, names, log=lambda *a: None)  # kept when already made from these parts
+        return path
     if synthetic:
         from fedfeat.store.featurestore import FeatureStore, fingerprint_hash
         from fedfeat.store.synth import SynthParams, synth_fingerprint, write_synthetic_store
@@ -542,6 +571,10 @@ def _partition_text(table: Table) -> str:
         kind = ", ".join([cls.describe(values), *after])
         if st.get("preset"):
             kind = f"preset {st['preset']}, {kind}"
+        if st.get("client_shots") is not None:
+            kind = f"{st['client_shots']} shots per client class, " + kind
+        if st.get("base_novel"):
+            kind = "base-to-novel, " + kind
         if st.get("imbalance_factor") is not None:
             kind = f"long-tailed IF={st['imbalance_factor']:g}, " + kind
         parts.append(kind)
@@ -776,6 +809,21 @@ def _refuse_empty(
         )
 
 
+def _live(root: Path, dataset: str, backbone: str, log) -> Path:
+    """The live stand-in of ``dataset`` (``fedfeat.runs.standin``); of a combined one, its parts' combined."""
+    from fedfeat.runs.standin import live_standin
+
+    names = _parts(SYNTH_SHAPES[(dataset, backbone)])
+    if not names:
+        return live_standin(root, dataset, SYNTH_SHAPES[(dataset, backbone)], log)
+    from fedfeat.store.combine import combine_stores
+
+    parts = [live_standin(root, p, SYNTH_SHAPES[(p, backbone)], log) for p in names]
+    path = Path(root) / "live-standin" / "stores" / dataset / "combined.zarr"
+    combine_stores(path, parts, names, log=lambda *a: None)
+    return path
+
+
 def reproduce(
     name: str,
     *,
@@ -832,12 +880,9 @@ def reproduce(
     if (
         synthetic and live_rows
     ):  # prompt rows run on live stand-ins: real encoded stores of a tiny random CLIP
-        from fedfeat.runs.standin import LIVE_TEST, LIVE_TRAIN, live_standin
+        from fedfeat.runs.standin import LIVE_TEST, LIVE_TRAIN
 
-        live_stores = {
-            c.dataset: live_standin(root, c.dataset, SYNTH_SHAPES[(c.dataset, table.backbone)], log)
-            for c in table.columns
-        }
+        live_stores = {c.dataset: _live(root, c.dataset, table.backbone, log) for c in table.columns}
         live_note = (
             f"{', '.join(live_rows)}: on live stand-ins (synthetic 32-px images, <= {LIVE_TRAIN} + {LIVE_TEST} per "
             "class, encoded with pixels by a tiny random CLIP, D = 32: fedfeat.runs.standin); the other rows on "

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from fedfeat.errors import FedfeatError
-from fedfeat.report.load import SUMMARY_EXTRAS
+from fedfeat.report.load import DOMAIN_EXTRAS, SUMMARY_EXTRAS
 from fedfeat.runs.config import RunConfig, provenance
 from fedfeat.runs.threads import current as current_threads
 
@@ -254,7 +254,7 @@ def _summary(cfg, method, method_params, kernel, device, key, name, metrics, wal
         "best_round": int(ev[int(np.argmax(accs))]["round"]),
         **_best_on_val(ev),
         **{k: last[k] for k in SUMMARY_EXTRAS if k in last},
-        **({"domain_acc": last["domain_acc"]} if isinstance(last.get("domain_acc"), dict) else {}),
+        **{k: last[k] for k in DOMAIN_EXTRAS if isinstance(last.get(k), dict)},
         "bytes_up": int(sum(r["bytes_up"] for r in metrics)),
         "bytes_down": int(sum(r["bytes_down"] for r in metrics)),
         "seconds": wall,  # this process: loading, set-up, its rounds (numba's compiling: compile_seconds)
