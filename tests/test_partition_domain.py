@@ -184,6 +184,9 @@ def test_methods_train_with_clients_as_domains(pacs_store, tmp_path, method, mon
     assert s["local_acc"] == pytest.approx(np.mean(list(acc.values())), abs=1e-9)
     n = np.bincount(st.domains("test"), minlength=4)
     assert s["final_acc"] == pytest.approx(float(np.dot(n, list(acc.values())) / n.sum()), abs=1e-9)
+    # the personal accuracy per domain (each domain's one client, its own test rows): one global model here, so
+    # each equals the domain's accuracy
+    assert s["domain_local_acc"] == pytest.approx(acc)
 
 
 def test_held_out_domain_is_the_test_set(pacs_store, tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ from fedfeat.report.rundir import CHECKPOINT, read_metrics, read_regular
 SUMMARY_EXTRAS = ("many_acc", "medium_acc", "few_acc", "pseudo_label_acc", "novel_precision", "novel_recall",
                   "novel_f1", "base_acc", "hm", "local_acc", "local_acc_std", "val_acc")  # fmt: skip
 # per-domain figures ({domain name: value}; a store with domains, a combined store's base-to-novel run)
-DOMAIN_EXTRAS = ("domain_acc", "domain_novel_acc", "domain_base_acc", "domain_hm")
+DOMAIN_EXTRAS = ("domain_acc", "domain_novel_acc", "domain_base_acc", "domain_hm", "domain_local_acc")
 SUMMARY_KEYS = ("method", "partition", "rounds", "initial_acc", "final_acc", "best_acc", "seconds_per_round",
                 "bytes_up", "params")  # fmt: skip
 

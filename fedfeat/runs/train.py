@@ -41,6 +41,7 @@ from fedfeat.runs.writers import (  # what a run writes besides training, and th
     Interrupts,
     Live,
     MetricsFile,
+    domain_local,
     ProgressBar,
     Rows,
     StackShare,
@@ -383,6 +384,7 @@ def _train_locked(
         confusion = stacked.confusion if stacked is not None else (last_pred or {}).get("confusion")
         trained = write_outputs(rd.partial, cfg, method, key, glob, metrics, confusion)  # the weights' sha256
         summary = _summary(cfg, method, method_params, kernel, device, key, rd.name, metrics, wall, store)
+        summary.update(domain_local(part, metrics))  # a domain partition's personal accuracy per domain
         summary["diverged"] = watch.final(metrics)  # {"round", "reason"} or None (healthy)
         summary.update(memory_figures(device))  # peak_rss_bytes, rss_bytes_at_end, peak_device_bytes (CUDA)
         summary["checkpoint_seconds"] = ck_seconds[0]

@@ -209,6 +209,21 @@ def _best_on_val(ev: list[dict]) -> dict:
     }
 
 
+def domain_local(partition, metrics: list[dict]) -> dict:
+    """``domain_local_acc``: a domain partition's personal accuracy per domain -- the mean of its clients' local
+    accuracies (the last evaluated round's ``client_acc``, ``--local-test joint``) by the clients' domains; with one
+    client per domain, each domain's client (FedOTP's and FedCLIP's per-domain personal columns). {} otherwise."""
+    owners = (getattr(partition, "params", None) or {}).get("client_domains")
+    rows = [r for r in metrics if isinstance(r.get("client_acc"), list)]
+    if not owners or not rows or len(rows[-1]["client_acc"]) != len(owners):
+        return {}
+    per: dict[str, list[float]] = {}
+    for name, acc in zip(owners, rows[-1]["client_acc"]):
+        if acc is not None:
+            per.setdefault(name, []).append(float(acc))
+    return {"domain_local_acc": {n: float(np.mean(v)) for n, v in per.items()}}
+
+
 def _efficiency(metrics: list[dict]) -> dict:
     """Fed-MP Table 3's two figures, as a run measures them:
 
