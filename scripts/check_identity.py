@@ -118,6 +118,29 @@ ADDED = {"weights_sha256", "trainable_params"}
 ROW_ADDED = {"images", "trainable_params"}
 
 
+# settings and method parameters a version may predate, at the value that means what the older version did: a key
+# only the working tree's config.toml / summary params hold, at this value, is left out (issue 38: the base-to-novel
+# protocol's switch; fedclip / fed-mp's server weights, "size" as before)
+CONFIG_ADDED = {"base_novel": False}
+PARAMS_ADDED = {"aggregation": "size"}
+
+
+def _same_config(fa: Path, fb: Path) -> bool:
+    """config.toml byte for byte, or equal once the head's ``CONFIG_ADDED`` / ``PARAMS_ADDED`` keys at their old
+    meaning are left out."""
+    import tomllib
+
+    if fa.read_bytes() == fb.read_bytes():
+        return True
+    a, b = (tomllib.loads(f.read_text()) for f in (fa, fb))
+    for section, added in (("run", CONFIG_ADDED), ("params", PARAMS_ADDED)):
+        ta, tb = a.get(section, {}), b.get(section, {})
+        for k, v in added.items():
+            if k not in ta and tb.get(k) == v:
+                tb.pop(k)
+    return a == b
+
+
 def _drop_added(la: list, lb: list) -> None:
     """Leave out of both versions' rows the ``ROW_ADDED`` keys that only one of them records."""
     for x, y in zip(la, lb):
@@ -227,12 +250,21 @@ def compare(a: Path, b: Path) -> list[str]:
         for k in ADDED:
             if (k in sa) != (k in sb):
                 sa.pop(k, None), sb.pop(k, None)
+        pa, pb = sa.get("params"), sb.get("params")
+        if isinstance(pa, dict) and isinstance(pb, dict):
+            for k, v in PARAMS_ADDED.items():
+                if k not in pa and pb.get(k) == v:
+                    pb.pop(k)
         if sa != sb:
             keys = sorted(k for k in set(sa) | set(sb) if sa.get(k) != sb.get(k))
             diffs.append(f"{d}: summary.json differs in {keys}")
         for f in ("config.toml", "weights.safetensors", "partition.json"):
             fa, fb = ra / f, rb / f
-            if fa.exists() != fb.exists() or (fa.exists() and fa.read_bytes() != fb.read_bytes()):
+            same = fa.exists() == fb.exists() and (
+                not fa.exists()
+                or (_same_config(fa, fb) if f == "config.toml" else fa.read_bytes() == fb.read_bytes())
+            )
+            if not same:
                 diffs.append(f"{d}: {f} differs")
     return diffs
 
