@@ -56,6 +56,7 @@ def main() -> None:
             "bench_scale.py",
             "bench_startup.py",
             "bench_domain.py",
+            "bench_canon.py",
         ):
             path = ROOT / "bench" / script
             if path.exists():

@@ -451,3 +451,56 @@ def feature_and_prompt_stores(root: Path) -> dict:
                  tc.weights, "--out", root / "cache", "--device", "cpu", "--templates", "cifar", "--pixels"])  # fmt: skip
     assert r.exit_code == 0, (r.output, r.exception)
     return {"feature": feat, "prompt": root / "cache" / "cifar10" / f"{TINY_NAME}-tiny.zarr", "root": root}
+
+
+# ---------------------------------------------------------------------------------------- personalised prompt runs
+def personal_data(store, live):
+    """The tiny store's RunData with a 3-client Dirichlet-joint partition and its joint local test splits (the
+    personalised prompt methods' batched = loop tests)."""
+    from fedfeat.engine.data import load_run_data
+    from fedfeat.partition.make import make_partition
+    from fedfeat.store.featurestore import FeatureStore
+
+    st = FeatureStore.open(store)
+    part = make_partition(
+        st.labels("train"), "dirichlet-joint", clients=3, alpha=0.5, test_labels=st.labels("test")
+    )
+    data = load_run_data(st, part, local_test="joint")
+    data.live = live
+    return data
+
+
+def grab_setups(monkeypatch, classes) -> list:
+    """The Context each of ``classes``' ``setup`` saw, in call order (``ctx.state`` / ``ctx.cache`` after a run)."""
+    seen = []
+    for cls in classes:
+        orig = cls.setup
+
+        def setup(self, ctx, _orig=orig):
+            seen.append(ctx)
+            return _orig(self, ctx)
+
+        monkeypatch.setattr(cls, "setup", setup)
+    return seen
+
+
+def same_personal_runs(name, sets, data, seen, rounds=2):
+    """Method ``name`` run batched and loop on ``data``: the weights, losses and local / test accuracies agree.
+    Returns ``(method, weights, rows, context)`` of the batched run."""
+    import pytest
+    import torch
+
+    from fedfeat.engine.rounds import run_federated
+    from fedfeat.methods import get_method
+
+    runs = {}
+    for engine in ("batched", "loop"):
+        m = get_method(name, sets)
+        runs[engine] = (m, *run_federated(m, data, rounds=rounds, participation=1.0, seed=0, engine=engine))
+    (mb, gb, rb), (_, gl, rl) = runs["batched"], runs["loop"]
+    for k in gb:
+        torch.testing.assert_close(gb[k], gl[k], atol=1e-5, rtol=1e-5)
+    assert [r["train_loss"] for r in rb] == pytest.approx([r["train_loss"] for r in rl], abs=1e-5)
+    for key in ("local_acc", "test_acc"):
+        assert [r[key] for r in rb] == pytest.approx([r[key] for r in rl], abs=1e-9)
+    return mb, gb, rb, seen[-2]  # the batched run's context

@@ -11,16 +11,22 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers_clip import TINY_NAME, make_tiny_clip, run_cli, write_cifar10
+from helpers_clip import (
+    TINY_NAME,
+    grab_setups,
+    make_tiny_clip,
+    personal_data,
+    run_cli,
+    same_personal_runs,
+    write_cifar10,
+)
 
 from fedfeat.encoders.live import load_live_text
-from fedfeat.engine.data import load_run_data
 from fedfeat.engine.rounds import run_federated
 from fedfeat.errors import FedfeatError
 from fedfeat.methods import get_method
 from fedfeat.methods.fedopt import cot_plan, ot_logits, sinkhorn_plan
 from fedfeat.methods.pfedprompt import memory_logits
-from fedfeat.partition.make import make_partition
 from fedfeat.store.featurestore import FeatureStore, normalize_pixels
 
 FAST = {"n_ctx": "4", "batch_size": "8", "local_epochs": "2", "lr": "0.05"}
@@ -220,13 +226,7 @@ def live(store):
 
 
 def _data(store, live):
-    st = FeatureStore.open(store)
-    part = make_partition(
-        st.labels("train"), "dirichlet-joint", clients=3, alpha=0.5, test_labels=st.labels("test")
-    )
-    data = load_run_data(st, part, local_test="joint")
-    data.live = live
-    return data
+    return personal_data(store, live)
 
 
 @pytest.fixture
@@ -234,30 +234,11 @@ def grab(monkeypatch):
     """The Context each method's setup saw (``ctx.state`` and ``ctx.cache`` after the run)."""
     from fedfeat.methods import fedopt, pfedprompt
 
-    seen = []
-    for cls in (fedopt.FedOTP, pfedprompt.PFedPrompt):
-        orig = cls.setup
-
-        def setup(self, ctx, _orig=orig):
-            seen.append(ctx)
-            return _orig(self, ctx)
-
-        monkeypatch.setattr(cls, "setup", setup)
-    return seen
+    return grab_setups(monkeypatch, (fedopt.FedOTP, pfedprompt.PFedPrompt))
 
 
 def _same_runs(name, sets, data, grab, rounds=2):
-    runs = {}
-    for engine in ("batched", "loop"):
-        m = get_method(name, sets)
-        runs[engine] = (m, *run_federated(m, data, rounds=rounds, participation=1.0, seed=0, engine=engine))
-    (mb, gb, rb), (_, gl, rl) = runs["batched"], runs["loop"]
-    for k in gb:
-        torch.testing.assert_close(gb[k], gl[k], atol=1e-5, rtol=1e-5)
-    assert [r["train_loss"] for r in rb] == pytest.approx([r["train_loss"] for r in rl], abs=1e-5)
-    for key in ("local_acc", "test_acc"):
-        assert [r[key] for r in rb] == pytest.approx([r[key] for r in rl], abs=1e-9)
-    return mb, gb, rb, grab[-2]  # the batched run's context
+    return same_personal_runs(name, sets, data, grab, rounds)
 
 
 @pytest.mark.parametrize("sets", [FRESH, CPL | FRESH, CPL])

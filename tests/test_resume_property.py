@@ -42,6 +42,8 @@ FEATURE = {  # method -> its settings on the synthetic store (those a method nee
     "ratio-loss": {"params": {"aux_per_class": 5}},
     "feddf": {"imbalance_factor": 10.0, "params": {"val_data": "train"}},
     "fedbe": {"imbalance_factor": 10.0},
+    # the training-free family (issue 39): the statistics uploaded so far and who sent them are checkpointed
+    "fedncm": {}, "fed3r": {}, "fedcof": {}, "fedpft": {},
 }  # fmt: skip
 PROMPT = {  # on the tiny open_clip store (pixels kept: fedcopl and fedopt re-encode images)
     "promptfl": {"params": {"n_ctx": 4}},
@@ -50,6 +52,10 @@ PROMPT = {  # on the tiny open_clip store (pixels kept: fedcopl and fedopt re-en
     "fedcopl/carried": {"params": {"optimizer_state": "carried"}},  # one optimiser carried client to client
     "pfedprompt": {},
     "fedopt": {},
+    "fedkgcoop": {"params": {"n_ctx": 2}},  # FedTPG's CoOp baselines (issue 39)
+    "fedcocoop": {"params": {"n_ctx": 2}},
+    "fedpgp": {"params": {"n_ctx": 2}},  # personalised: every client's low-rank part / local prompt is state
+    "promptfolio": {"params": {"n_ctx": 2}},
 }
 NOT_IN_ROUNDS = {"zeroshot"}  # trains nothing in rounds: never checkpoints
 

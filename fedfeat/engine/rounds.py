@@ -676,7 +676,7 @@ def _run(
                 "bytes_down": down,
                 "train_seconds": train_seconds,
                 "images": plan.images,
-                "trainable_params": trainable_params(cparams, plan.m),
+                "trainable_params": trainable_params(cparams, plan.m) if method.trains_clients else 0,
             },
         )
         if (

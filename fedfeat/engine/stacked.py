@@ -177,7 +177,9 @@ def run_stacked_rounds(
                 "bytes_down": plans[r].m * param_bytes(methods[r].broadcast(ctxs[r], globs[r])),
                 "train_seconds": train_seconds,
                 "images": plans[r].images,
-                "trainable_params": trainable_params(cparams[r], plans[r].m),
+                "trainable_params": trainable_params(cparams[r], plans[r].m)
+                if methods[r].trains_clients
+                else 0,
             }
         record(rnd, list(extra), extra, t0)
     for r in range(R):

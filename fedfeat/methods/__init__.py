@@ -33,6 +33,10 @@ from fedfeat.methods import pfedprompt, fedopt  # noqa: E402, F401
 from fedfeat.methods import serveropt  # noqa: E402, F401  # FedAdagrad / FedAdam / FedYogi (Reddi et al. 2021)
 from fedfeat.methods import scaffold, feddyn  # noqa: E402, F401  # SCAFFOLD, FedDyn (issue 35)
 
+# the 2024-26 canon (issue 39): the training-free family, FedTPG's CoOp baselines, personalised text prompts
+from fedfeat.methods import closedform, fedcof, fedpft  # noqa: E402, F401  # FedNCM, Fed3R; FedCOF; FedPFT
+from fedfeat.methods import coop_variants, prompt_personal  # noqa: E402, F401  # FedKgCoOp, FedCoCoOp; FedPGP, PromptFolio
+
 # isort: on
 from fedfeat.methods.base import (  # noqa: E402
     CAPABILITIES,

@@ -609,6 +609,12 @@ class Method:
     divergence_hint = Capability(
         str, "", "what a diverged run should try (one line; '': the generic advice, runs.divergence.hint)"
     )
+    trains_clients = Capability(
+        bool,
+        True,
+        "clients train parameters (False: the training-free family -- clients upload statistics, "
+        "summary.json trainable_params is 0)",
+    )
     stack_shape = Capability(
         tuple[str, ...],
         ("batch_size", "local_epochs", "normalize", "templates", "renormalize_synthetic"),

@@ -78,6 +78,7 @@ from fedfeat.methods.prompt import (
     TAG_CTX_INIT,
     PromptFLParams,
     PromptMethod,
+    client_accuracies,
     client_weights,
     pseudo_label,
     pseudo_loss,
@@ -544,12 +545,7 @@ class FedOTP(PromptMethod):
         C = ctx.n_clients
         text = self._text(glob["ctx"].unsqueeze(0).expand(C, -1, -1), ctx.state["client_local"])
         rows = [torch.as_tensor(r, dtype=torch.int64) for r in ctx.local_test]
-        logits = self._eval(ctx, text, rows)
-        return [
-            100 * float((z.argmax(1) == test_y[r.to(test_y.device)]).double().mean())
-            for z, r in zip(logits, rows)
-            if len(r)
-        ]
+        return client_accuracies(self._eval(ctx, text, rows), rows, test_y)
 
     def round_metrics(self, ctx: Context, data, glob: dict, ev: dict) -> dict:
         return pseudo_metrics(ctx, data, self.p.pseudo)

@@ -53,13 +53,13 @@ from fedfeat.methods.prompt import (
     TAG_CTX_INIT,
     PromptFLParams,
     PromptMethod,
+    client_accuracies,
     client_weights,
+    per_client_scores,
     pseudo_label,
     pseudo_loss,
     pseudo_metrics,
 )
-
-EVAL_ROWS = 1024  # test rows per client and pass when evaluating (bounds [clients, rows, memory] affinities)
 
 
 @dataclass(frozen=True)
@@ -201,31 +201,18 @@ class PFedPrompt(PromptMethod):
         """The personalised logits ``[len(rows[i]), K]`` of client ``i``'s test rows (``ctx.test_x``): the global prompt
         and the client's own memory; all clients at once, ``EVAL_ROWS`` rows per client and pass."""
         t = self.text_features(ctx, {k: v.unsqueeze(0) for k, v in glob.items()})[0]  # [K, D]
-        C = len(rows)
-        lens = [len(r) for r in rows]
-        mem = self._memories(ctx, torch.arange(C))
-        out = [[] for _ in range(C)]
-        for s in range(0, max(lens, default=0), EVAL_ROWS):
-            idx = torch.zeros(C, EVAL_ROWS, dtype=torch.int64)
-            for i, r in enumerate(rows):
-                part = torch.as_tensor(r[s : s + EVAL_ROWS], dtype=torch.int64)
-                idx[i, : len(part)] = part
-            x = ctx.test_x[idx.to(ctx.test_x.device)]  # [C, E, D]
-            z = ctx.clip_logit_scale * x @ t.to(x.dtype).T + self._memory(x, mem).to(x.dtype)
-            for i in range(C):
-                out[i].append(z[i, : max(0, min(EVAL_ROWS, lens[i] - s))])
-        return [torch.cat(o) if o else torch.zeros(0, ctx.K, device=ctx.device) for o in out]
+        mem = self._memories(ctx, torch.arange(len(rows)))
+
+        def score(x):  # [C, E, D] -> [C, E, K]: the global prompt and each client's own memory
+            return ctx.clip_logit_scale * x @ t.to(x.dtype).T + self._memory(x, mem).to(x.dtype)
+
+        return per_client_scores(ctx, rows, score)
 
     @torch.no_grad()
     def local_accuracies(self, ctx: Context, glob: dict, test_y: torch.Tensor) -> list[float]:
         """Each client's accuracy on its local test rows with the global prompt and its own memory."""
         rows = [torch.as_tensor(r, dtype=torch.int64) for r in ctx.local_test]
-        z = self.local_logits(ctx, glob, rows)
-        return [
-            100 * float((zi.argmax(1) == test_y[r.to(test_y.device)]).double().mean())
-            for zi, r in zip(z, rows)
-            if len(r)
-        ]
+        return client_accuracies(self.local_logits(ctx, glob, rows), rows, test_y)
 
     def round_metrics(self, ctx: Context, data, glob: dict, ev: dict) -> dict:
         return pseudo_metrics(ctx, data, self.p.pseudo)

@@ -370,6 +370,39 @@ def client_weights(ctx: Context, plan, aggregation: str) -> torch.Tensor | None:
     return (w > 0).to(w.dtype) if aggregation == "mean" else w
 
 
+EVAL_ROWS = (
+    1024  # local test rows per client and pass (bounds a [clients, rows, classes or memory] temporary)
+)
+
+
+@torch.no_grad()
+def per_client_scores(ctx: Context, rows: list, score) -> list[torch.Tensor]:
+    """Each client's scores ``[len(rows[i]), K]`` on its test rows ``rows[i]`` (of ``ctx.test_x``), all clients at
+    once, ``EVAL_ROWS`` rows per client and pass: ``score(x  # [C, E, D]) -> [C, E, K]`` scores every client's block
+    with its own model (the personalised prompt methods' local evaluation)."""
+    C = len(rows)
+    lens = [len(r) for r in rows]
+    out: list[list[torch.Tensor]] = [[] for _ in range(C)]
+    for s in range(0, max(lens, default=0), EVAL_ROWS):
+        idx = torch.zeros(C, EVAL_ROWS, dtype=torch.int64)
+        for i, r in enumerate(rows):
+            part = torch.as_tensor(r[s : s + EVAL_ROWS], dtype=torch.int64)
+            idx[i, : len(part)] = part
+        z = score(ctx.test_x[idx.to(ctx.test_x.device)])
+        for i in range(C):
+            out[i].append(z[i, : max(0, min(EVAL_ROWS, lens[i] - s))])
+    return [torch.cat(o) if o else torch.zeros(0, ctx.K, device=ctx.device) for o in out]
+
+
+def client_accuracies(logits: list[torch.Tensor], rows: list, test_y: torch.Tensor) -> list[float]:
+    """Each client's accuracy (%) of its logits on its local test rows (clients without rows left out)."""
+    return [
+        100 * float((z.argmax(1) == test_y[torch.as_tensor(r).to(test_y.device)]).double().mean())
+        for z, r in zip(logits, rows)
+        if len(r)
+    ]
+
+
 def pseudo_metrics(ctx: Context, data, pseudo: str) -> dict:
     """The pseudo-labels' accuracy against the true labels (a metric only: ``pseudo_label_acc``; for CPL the share of
     samples whose candidate set holds the true class, and ``pseudo_set_size``), and how many samples were kept."""

@@ -38,7 +38,7 @@ OPTIONAL_TYPES = {
     "best_round": (int,), "uses_labels": (bool,), "bytes_down": _NUM, "seconds": _NUM, "engine": (str,),
     "kernel": (str,), "device": (str,), "best_val_acc": _NUM, "best_val_round": (int,),
     "test_acc_at_best_val": _NUM, **{k: _NUM for k in SUMMARY_EXTRAS}, **{k: (int,) for k in MEMORY_KEYS},
-    "diverged": (dict,), "weights_sha256": (str,), "seconds_per_image": _NUM, "trainable_params": (int,),
+    "diverged": (dict,), "weights_sha256": (str,), "seconds_per_image": _NUM, "trainable_params": (int,), "train_seconds": _NUM,
     **{k: (dict,) for k in DOMAIN_EXTRAS},
 }  # fmt: skip
 TYPE_NAMES = {_NUM: "a number", (int,): "an integer", (str,): "a string", (dict,): "a table (JSON object)",

@@ -149,7 +149,7 @@ _PER_DATASET = {
 
 # how ours is printed, by metric (default: ".2f", accuracies in %): seconds per image are ~1e-5 on cached features,
 # trainable-parameter shares below 0.01 %
-OURS_FORMAT = {"seconds_per_image": ".3g", "trainable_share": ".4f"}
+OURS_FORMAT = {"seconds_per_image": ".3g", "trainable_share": ".4f", "megabytes": ".3g", "train_seconds": ".3g"}
 
 
 @functools.lru_cache(maxsize=64)
@@ -178,6 +178,9 @@ def derived_metric(table: Table, key: str, summary: dict):
         name, dom = key.split(":", 1)
         per = summary.get(name)
         return per.get(dom) if isinstance(per, dict) else None
+    if key == "megabytes":  # what the run communicated, both ways (the cross-family table)
+        up, down = summary.get("bytes_up"), summary.get("bytes_down")
+        return None if up is None else (up + (down or 0)) / 2**20
     if key == "domain_acc_mean":  # the unweighted mean over the domains (FedCLIP's / FedOTP's "Avg")
         vals = [v for v in (summary.get("domain_acc") or {}).values() if v is not None]
         return float(np.mean(vals)) if vals else None

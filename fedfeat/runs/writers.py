@@ -232,14 +232,19 @@ def _efficiency(metrics: list[dict]) -> dict:
       epochs), the first round left out where there are others (one-time costs: a kernel compiled, caches filled). On
       cached features the encoder's forward pass is not in it: ``fedfeat encode`` paid it once.
     * ``trainable_params``: the parameters one client trains (``fedfeat.engine.context.trainable_params``).
+    * ``train_seconds``: the rounds' training seconds summed (local updates, aggregation, server step; a stacked run's
+      share of its stack's), the cross-family table's compute column.
 
     Absent from runs whose rounds do not record them (made before they existed, or without training rounds)."""
-    rows = [r for r in metrics if r.get("images")]
+    rows = [r for r in metrics if "images" in r]  # the training rounds (round 0 has none)
     out = {}
-    if rows:
+    if rows:  # the run's training seconds, every round (a stacked run's: its share of the stack's)
+        out["train_seconds"] = float(sum(r.get("train_seconds", 0.0) for r in rows))
         timed = rows[1:] if len(rows) > 1 else rows
-        out["seconds_per_image"] = float(sum(r["train_seconds"] for r in timed) / sum(r["images"] for r in timed))
-    n = [r["trainable_params"] for r in metrics if r.get("trainable_params")]
+        images = sum(r["images"] for r in timed)
+        if images:  # (the training-free methods process no image in local training)
+            out["seconds_per_image"] = float(sum(r["train_seconds"] for r in timed) / images)
+    n = [r["trainable_params"] for r in rows if "trainable_params" in r]
     if n:
         out["trainable_params"] = int(max(n))
     return out
