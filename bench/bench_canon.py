@@ -79,8 +79,69 @@ def main() -> None:
         tb, tl = statistics.median(b), statistics.median(lp)
         lines.append(f"| {m} | {work} | {tb:.3f} | {tl:.3f} | {tl / tb:.1f}x |")
         print(lines[-1], flush=True)
-    lines.append("")
+    lines += [
+        "",
+        "The training-free methods compute their clients' statistics in the server step, batched over the round's new "
+        "clients, in both engines (`--engine loop` loops over local training, which they have none of): the columns "
+        "above agree. Their client work against a plain per-client PyTorch loop of the same statistics (all 100 "
+        "clients of the same store and partition, one thread, medians of 5):",
+        "",
+        "| statistics of 100 clients | one batched pass s | per-client loop s | loop / batched |",
+        "|---|---|---|---|",
+        *client_stats_rows(args.store),
+        "",
+        "No per-client Python cost is left to remove there: the statistics are memory-bound sums, and 100 calls on "
+        "cache-sized blocks are as fast as one pass over the 50,000 rows (faster for the class sums). The batched "
+        "pass is kept because it is one program per round whatever the client count (100,000 clients: 100,000 calls).",
+        "",
+        "The prompt methods that carry one optimiser from client to client (fedpgp, promptfolio: their codes') run "
+        "their clients one after another in both engines; fedkgcoop (per-client optimisers, FedTPG's) is batched.",
+        "",
+    ]
     write_table(Path(args.out), lines)
+
+
+def client_stats_rows(store: str) -> list[str]:
+    """FedNCM's and Fed3R's uploads of every client: one pass over all rows vs a loop over the clients."""
+    import time
+
+    import torch
+
+    from fedfeat.methods.closedform import class_sums, ridge_stats
+    from fedfeat.partition.make import make_partition
+    from fedfeat.store.featurestore import FeatureStore
+
+    torch.set_num_threads(1)
+    st = FeatureStore.open(store)
+    y = torch.from_numpy(st.labels("train"))
+    x = torch.nn.functional.normalize(torch.from_numpy(st.features("train")).float(), dim=1)
+    part = make_partition(st.labels("train"), "dirichlet", clients=100, alpha=0.1)
+    rows = [torch.from_numpy(c) for c in part.clients]
+    K = st.n_classes
+    out = []
+    for name, fn in (("FedNCM: class sums + counts", class_sums), ("Fed3R: X^T X and X^T Y", ridge_stats)):
+
+        def batched(fn=fn):
+            return fn(x, y, K)
+
+        def loop(fn=fn):
+            acc = None
+            for r in rows:
+                got = fn(x[r], y[r], K)
+                acc = got if acc is None else tuple(a + g for a, g in zip(acc, got))
+            return acc
+
+        tb, tl = [], []
+        for _ in range(5):
+            t = time.perf_counter()
+            batched()
+            tb.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            loop()
+            tl.append(time.perf_counter() - t)
+        b, lp = statistics.median(tb), statistics.median(tl)
+        out.append(f"| {name} | {b:.3f} | {lp:.3f} | {lp / b:.1f}x |")
+    return out
 
 
 if __name__ == "__main__":
