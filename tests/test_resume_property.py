@@ -56,6 +56,7 @@ PROMPT = {  # on the tiny open_clip store (pixels kept: fedcopl and fedopt re-en
     "fedcocoop": {"params": {"n_ctx": 2}},
     "fedpgp": {"params": {"n_ctx": 2}},  # personalised: every client's low-rank part / local prompt is state
     "promptfolio": {"params": {"n_ctx": 2}},
+    "pfedmoap": {"params": {"n_ctx": 2}},
 }
 NOT_IN_ROUNDS = {"zeroshot"}  # trains nothing in rounds: never checkpoints
 

@@ -36,6 +36,7 @@ from fedfeat.methods import scaffold, feddyn  # noqa: E402, F401  # SCAFFOLD, Fe
 # the 2024-26 canon (issue 39): the training-free family, FedTPG's CoOp baselines, personalised text prompts
 from fedfeat.methods import closedform, fedcof, fedpft  # noqa: E402, F401  # FedNCM, Fed3R; FedCOF; FedPFT
 from fedfeat.methods import coop_variants, prompt_personal  # noqa: E402, F401  # FedKgCoOp, FedCoCoOp; FedPGP, PromptFolio
+from fedfeat.methods import pfedmoap  # noqa: E402, F401  # pFedMoAP (ICLR 2025)
 
 # isort: on
 from fedfeat.methods.base import (  # noqa: E402

@@ -370,6 +370,16 @@ def client_weights(ctx: Context, plan, aggregation: str) -> torch.Tensor | None:
     return (w > 0).to(w.dtype) if aggregation == "mean" else w
 
 
+def client_scores(scale: float, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Each client's logits: ``x  # [n, B, D]``, ``t  # [n, K, D]`` (its own text features) -> ``scale * x t^T  #
+    [n, B, K]`` (fp16 text features: fp16 logits, as ``PromptMethod.logits``)."""
+    if t.dtype == torch.float16:
+        x = x.to(t.dtype)
+    else:
+        t = t.to(x.dtype)
+    return scale * torch.bmm(x, t.transpose(1, 2))
+
+
 EVAL_ROWS = (
     1024  # local test rows per client and pass (bounds a [clients, rows, classes or memory] temporary)
 )

@@ -70,6 +70,7 @@ from fedfeat.methods.prompt import (
     PromptFLParams,
     PromptMethod,
     client_accuracies,
+    client_scores,
     client_weights,
     per_client_scores,
     pseudo_label,
@@ -167,16 +168,6 @@ def folio_features(t_global: torch.Tensor, t_local: torch.Tensor, theta: float) 
     return (1 - theta) * F.normalize(t_global, dim=-1) + theta * F.normalize(t_local, dim=-1)
 
 
-def _scores(scale: float, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """``x  # [n, B, D]``, ``t  # [n, K, D]`` -> ``scale * x t^T  # [n, B, K]`` (fp16 text features: fp16 logits, as
-    ``PromptMethod.logits``)."""
-    if t.dtype == torch.float16:
-        x = x.to(t.dtype)
-    else:
-        t = t.to(x.dtype)
-    return scale * torch.bmm(x, t.transpose(1, 2))
-
-
 class _Personal(PromptMethod):
     """What both methods share: a global context (``glob["ctx"]``), per-client parts kept in ``ctx.state`` (the
     ``LOCAL`` keys, ``[C, ...]``), the pseudo-label modes, and per-client evaluation on the local test rows."""
@@ -221,7 +212,7 @@ class _Personal(PromptMethod):
         return int(cparams["ctx"].numel() * cparams["ctx"].element_size())
 
     def step_loss(self, ctx: Context, params: dict, batch: Batch, local: dict) -> torch.Tensor:
-        logits = _scores(ctx.clip_logit_scale, batch.x, self.client_text(ctx, params))  # [n, B, K]
+        logits = client_scores(ctx.clip_logit_scale, batch.x, self.client_text(ctx, params))  # [n, B, K]
         return pseudo_loss(ctx, logits, batch, self.p.pseudo)
 
     def client_text(self, ctx: Context, params: dict) -> torch.Tensor:
@@ -240,7 +231,7 @@ class _Personal(PromptMethod):
         """Each client's logits ``[len(rows[i]), K]`` on its test rows ``rows[i]`` (of ``ctx.test_x``) with its own
         model; all clients at once, ``EVAL_ROWS`` rows per client and pass."""
         t = self.client_text(ctx, self._all_clients(ctx, glob))  # [C, K, D]
-        return per_client_scores(ctx, rows, lambda x: _scores(ctx.clip_logit_scale, x, t).float())
+        return per_client_scores(ctx, rows, lambda x: client_scores(ctx.clip_logit_scale, x, t).float())
 
     @torch.no_grad()
     def local_accuracies(self, ctx: Context, glob: dict, test_y: torch.Tensor) -> list[float]:
@@ -308,7 +299,7 @@ class FedPGP(_Personal):
     def step_loss(self, ctx: Context, params: dict, batch: Batch, local: dict) -> torch.Tensor:
         p = self.p
         t_sigma, t_full = self._both(params)
-        logits = _scores(ctx.clip_logit_scale, batch.x, t_full)  # [n, B, K]
+        logits = client_scores(ctx.clip_logit_scale, batch.x, t_full)  # [n, B, K]
         ce = pseudo_loss(ctx, logits, batch, p.pseudo)  # [n]
         if p.mu == 0:
             return ce
@@ -320,7 +311,7 @@ class FedPGP(_Personal):
         """The global test accuracy with the global prompt ``sigma`` alone (ours; the code reports personalised
         accuracy only)."""
         t = self.text_features(ctx, {"ctx": glob["ctx"].unsqueeze(0)})  # [1, K, D]
-        return _scores(ctx.clip_logit_scale, x.unsqueeze(0), t)[0].float()
+        return client_scores(ctx.clip_logit_scale, x.unsqueeze(0), t)[0].float()
 
 
 @register
@@ -354,7 +345,7 @@ class PromptFolio(_Personal):
     def predict(self, ctx: Context, glob: dict, x: torch.Tensor) -> torch.Tensor:
         """The global test accuracy with the global prompt alone (ours: ``theta = 0``, "fully global")."""
         t = self.text_features(ctx, {"ctx": glob["ctx"].unsqueeze(0)})
-        return _scores(ctx.clip_logit_scale, x.unsqueeze(0), t)[0].float()
+        return client_scores(ctx.clip_logit_scale, x.unsqueeze(0), t)[0].float()
 
 
 __all__ = [

@@ -158,7 +158,7 @@ STYLE_ORDER = ("fedavg", "fedprox", "fedavgm", "fedntd", "fst-cbdg", "centralize
                "fed-mp", "promptfl", "fedtpg", "fedcopl", "copl-linear", "fednova", "fed-focal", "ratio-loss",
                "fedavg-tau-norm", "ccvr", "feddf", "fedbe", "pfedprompt", "fedopt", "zeroshot", "fedadam", "fedyogi",
                "fedadagrad", "scaffold", "feddyn", "fedncm", "fed3r", "fedcof", "fedpft", "fedkgcoop", "fedcocoop",
-               "fedpgp", "promptfolio")  # fmt: skip
+               "fedpgp", "promptfolio", "pfedmoap")  # fmt: skip
 # (colour, marker) pairs are distinct for the first len(PALETTE) * len(MARKERS) places (9 and 10 are coprime)
 _PLACES = len(PALETTE) * len(MARKERS)
 # a setting's variant of a method (``fedprox mu=0.1``): the method's colour, one of these dash patterns
