@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import machine, write_table  # noqa: E402
 
 FEATURE = ("fedncm", "fed3r", "fedcof", "fedpft")
-PROMPT = ("fedkgcoop", "fedcocoop", "fedpgp", "promptfolio")
+PROMPT = ("fedkgcoop", "fedcocoop", "fedpgp", "promptfolio", "pfedmoap")
 
 
 def seconds(store: str, method: str, engine: str, args: list[str], rounds: int) -> float:
@@ -94,7 +94,7 @@ def main() -> None:
         "cache-sized blocks are as fast as one pass over the 50,000 rows (faster for the class sums). The batched "
         "pass is kept because it is one program per round whatever the client count (100,000 clients: 100,000 calls).",
         "",
-        "The prompt methods that carry one optimiser from client to client (fedpgp, promptfolio: their codes') run "
+        "The prompt methods that carry one optimiser from client to client (fedpgp, promptfolio, pfedmoap: their codes') run "
         "their clients one after another in both engines; fedkgcoop (per-client optimisers, FedTPG's) is batched.",
         "",
     ]
