@@ -23,6 +23,16 @@ Two exact shortcuts, both documented switches:
   causal mask or with another pooling run at full length.
 * **Blocks on a CPU.** The ``n x K`` prompts go through the tower in blocks of ``CPU_BLOCK`` (one autograd
   graph): the same arithmetic per prompt, a working set that stays in cache.
+* **Shared prefix** (``shared_prefix=True``, off by default). With a unified context (one ``[n_ctx, W]`` per
+  client, not CSC's per-class rows) the first ``1 + n_ctx`` positions ``[SOS] ctx_1 .. ctx_n`` are the same for
+  every class of a client, and under the causal mask their hidden states depend on those positions only: the
+  prefix runs through each block once per client, and only the class-dependent rest (class name, ``.``, ``[EOS]``)
+  runs per class, its queries attending to the prefix's cached keys / values (as an LLM reuses a prompt's
+  key/value cache) and causally to its own positions (``TextTower.forward_shared``). The same function (each
+  block's own ``ln_1``, fused QKV projection, ``out_proj``, ``ln_2``, ``mlp``, ``ls_1`` / ``ls_2``; softmax over
+  the same keys); float sums in another order (tested to 1e-9 in float64). The contexts' gradient flows through
+  the cached keys / values. Towers whose blocks ``fedfeat.encoders.attention.plain`` does not reproduce, or
+  without a causal mask, run the full path.
 * **Pool, then LayerNorm.** The final LayerNorm is per token: applying it to the pooled EOT token only is the
   same as applying it to all tokens and pooling.
 
@@ -205,11 +215,46 @@ class TextTower:
                 x = block_forward(blk, x, is_causal=mask is not None)
         else:
             x = self.transformer(x, attn_mask=mask)
-        x = self.ln_final(x[torch.arange(x.shape[0], device=x.device), eot])  # pool, then the per-token LN
+        return self._head(x[torch.arange(x.shape[0], device=x.device), eot])
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """The pooled EOT tokens ``[N, W]`` -> features ``[N, D]``: the per-token final LN, then the projection."""
+        x = self.ln_final(x)
         p = self.text_projection
         if p is None:
             return x
         return p(x) if isinstance(p, nn.Module) else x @ p
+
+    def can_share_prefix(self, L: int) -> bool:
+        """Whether ``forward_shared`` runs for prompts of length ``L``: a causal mask and ``plain`` blocks."""
+        mask = None if self.attn_mask is None else self.attn_mask[:L, :L]
+        return mask is not None and self._fast_blocks(mask, L)
+
+    def forward_shared(self, prefix: torch.Tensor, suffix: torch.Tensor, eot: torch.Tensor) -> torch.Tensor:
+        """``forward_embeddings(cat([prefix[c], suffix[i]]), eot)`` for every prompt ``i`` of client ``c``, the
+        prefix run once per client: ``prefix  # [n, P, W]`` (``[SOS]`` and the contexts), ``suffix  # [n * K, S,
+        W]`` (client-major: client ``c``'s ``K`` prompts are rows ``c * K .. c * K + K - 1``), ``eot  # [n * K]``
+        positions in the whole prompt (``>= P``). Per block, the prefix is causal self-attention of its own (its
+        hidden states do not see the suffix), and each suffix position attends to the ``P`` prefix keys / values of
+        its client and to the suffix positions up to itself. ``[n * K, D]``; a ``plain``-block causal tower only
+        (``can_share_prefix``)."""
+        n, P, W = prefix.shape
+        NK, S = suffix.shape[0], suffix.shape[1]
+        if NK % n or not self.can_share_prefix(P + S):
+            raise FedfeatError(
+                "the shared-prefix path needs a causal tower of plain blocks and K prompts per client"
+            )
+        K = NK // n
+        pos = self.positional_embedding
+        xp, xs = prefix + pos[:P], suffix + pos[P : P + S]
+        # suffix query i (position P + i) sees every prefix key and suffix keys j <= i (True: attend, as SDPA)
+        ones = torch.ones(S, S, dtype=torch.bool, device=xs.device)
+        allow = torch.cat(
+            [torch.ones(S, P, dtype=torch.bool, device=xs.device), ones.tril()], 1
+        )  # [S, P + S]
+        for blk in self.transformer.resblocks:
+            xp, xs = _shared_block(blk, xp, xs, K, allow)
+        return self._head(xs[torch.arange(NK, device=xs.device), eot - P])
 
     def encode(self, prompts: list[str], truncate: bool = True, batch_size: int = 256) -> torch.Tensor:
         """``[N, D]`` features of plain prompts through ``forward_embeddings`` (no gradient); equals the model's
@@ -231,6 +276,42 @@ class _LayerNormFp32(nn.LayerNorm):
         w = None if self.weight is None else self.weight.float()
         b = None if self.bias is None else self.bias.float()
         return F.layer_norm(x.float(), self.normalized_shape, w, b, self.eps).to(x.dtype)
+
+
+def _split_heads(x: torch.Tensor, k: int, H: int) -> tuple[torch.Tensor, ...]:
+    """``[N, L, k * W]`` -> ``k`` tensors ``[N, H, L, W / H]`` (``nn.MultiheadAttention``'s head split)."""
+    N, L, _ = x.shape
+    return x.view(N, L, k, H, -1).permute(2, 0, 3, 1, 4).unbind(0)
+
+
+def _attn_out(blk: nn.Module, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """The rest of an open_clip ``ResidualAttentionBlock`` after attention ``o  # [N, H, L, d]``: heads merged,
+    ``out_proj``, ``ls_1`` residual, then ``x + ls_2(mlp(ln_2(x)))``."""
+    N, H, L, d = o.shape
+    a = blk.attn
+    x = x + blk.ls_1(F.linear(o.transpose(1, 2).reshape(N, L, H * d), a.out_proj.weight, a.out_proj.bias))
+    return x + blk.ls_2(blk.mlp(blk.ln_2(x)))
+
+
+def _shared_block(
+    blk: nn.Module, xp: torch.Tensor, xs: torch.Tensor, K: int, allow: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One ``plain`` block on a causal prompt split into a per-client prefix ``xp  # [n, P, W]`` and per-prompt
+    suffixes ``xs  # [n * K, S, W]``: the prefix's keys / values computed once per client and shared by its ``K``
+    prompts (``allow  # [S, P + S]``: which keys a suffix query sees)."""
+    a = blk.attn
+    H = a.num_heads
+    n, P, _ = xp.shape
+    qp, kp, vp = _split_heads(F.linear(blk.ln_1(xp), a.in_proj_weight, a.in_proj_bias), 3, H)  # [n, H, P, d]
+    qs, ks, vs = _split_heads(F.linear(blk.ln_1(xs), a.in_proj_weight, a.in_proj_bias), 3, H)  # [nK, H, S, d]
+    op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True)
+
+    def per_prompt(t: torch.Tensor) -> torch.Tensor:  # [n, H, P, d] -> [n * K, H, P, d], client-major
+        return t.unsqueeze(1).expand(n, K, *t.shape[1:]).reshape(n * K, *t.shape[1:])
+
+    k, v = torch.cat([per_prompt(kp), ks], 2), torch.cat([per_prompt(vp), vs], 2)
+    os_ = F.scaled_dot_product_attention(qs, k, v, attn_mask=allow)
+    return _attn_out(blk, xp, op), _attn_out(blk, xs, os_)
 
 
 def phrase_tokens(tower: TextTower, phrase: str) -> torch.Tensor:
@@ -262,6 +343,7 @@ class PromptLearner:
         *,
         template: str = "{}.",
         truncate: bool = True,
+        shared_prefix: bool = False,
     ):
         if n_ctx < 0:
             raise FedfeatError(f"n_ctx must be >= 0, got {n_ctx}")
@@ -282,6 +364,8 @@ class PromptLearner:
         self.suffix = emb[:, 1 + n_ctx :].contiguous()  # [K, L - 1 - n_ctx, W] class name, ".", [EOS], ...
         self.eot = eot
         self.tokens = tokens
+        # unified contexts run [SOS] + contexts once per client (TextTower.forward_shared) where the tower allows it
+        self.shared_prefix = bool(shared_prefix) and tower.can_share_prefix(L)
 
     @property
     def width(self) -> int:
@@ -327,6 +411,8 @@ class PromptLearner:
         CPU, in blocks of ``CPU_BLOCK`` prompts: one autograd graph, cache-sized working sets); with ``classes  #
         [n, Kc]`` the features of each client's listed classes only, ``[n, Kc, D]``."""
         n = ctx.shape[0]
+        if self.shared_prefix and ctx.dim() == 3:
+            return self._features_shared(ctx, classes)
         x = self.prompts(ctx, classes)
         eot = self.eot.repeat(n) if classes is None else self.eot.to(classes.device)[classes].reshape(-1)
         block = CPU_BLOCK if x.device.type == "cpu" else x.shape[0]
@@ -339,6 +425,32 @@ class PromptLearner:
             ]
             out = torch.cat(parts)
         return out.view(n, x.shape[0] // n, -1)
+
+    def _features_shared(self, ctx: torch.Tensor, classes: torch.Tensor | None) -> torch.Tensor:
+        """``features`` of unified contexts ``[n, n_ctx, W]`` with the prefix ``[SOS] ctx`` run once per client
+        (``TextTower.forward_shared``); on a CPU in blocks of whole clients of about ``CPU_BLOCK`` prompts."""
+        n, W = ctx.shape[0], self.width
+        prefix = torch.cat(
+            [self.prefix[:1].expand(n, 1, W), ctx.to(self.prefix.dtype)], 1
+        )  # [n, 1 + n_ctx, W]
+        if classes is None:
+            K = self.K
+            suffix = self.suffix.unsqueeze(0).expand(n, *self.suffix.shape)
+            eot = self.eot.unsqueeze(0).expand(n, K)
+        else:
+            K = classes.shape[1]
+            suffix, eot = self.suffix[classes], self.eot.to(classes.device)[classes]  # [n, Kc, S, W], [n, Kc]
+        per = max(1, CPU_BLOCK // max(K, 1)) if ctx.device.type == "cpu" else n
+        parts = [
+            self.tower.forward_shared(
+                prefix[s : s + per],
+                suffix[s : s + per].reshape(-1, *suffix.shape[2:]),
+                eot[s : s + per].reshape(-1),
+            )
+            for s in range(0, n, per)
+        ]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out.view(n, K, -1)
 
 
 __all__ = ["TextTower", "PromptLearner", "phrase_tokens"]

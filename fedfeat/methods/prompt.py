@@ -64,6 +64,10 @@ class PromptParams:
     ctx_std: float = 0.02  # CoOp nn.init.normal_(ctx_vectors, std=0.02)
     # cut prompts after the longest EOT (exact for causal towers; fedfeat.encoders.prompt)
     truncate: bool = True
+    # ours: unified contexts run [SOS] + contexts once per client, each class only its name .. [EOS] attending to
+    # the prefix's cached keys / values (exact under the causal mask; fedfeat.encoders.prompt TextTower.forward_shared).
+    # Used where every class shares the client's context (not csc); off: the full prompt per class
+    shared_prefix: bool = False
     normalize: bool = True  # L2-normalised image features (CoOp: image_features / norm)
     aggregation: Literal["size", "mean"] = "size"  # FedAvg by client size; "mean": PromptFL's average_weights
     # Dassl WARMUP_EPOCH (CoOp's and PromptFL's configs: 1): the per-epoch schedule's warm-up ("cosine-epoch" only)
@@ -283,11 +287,15 @@ class PromptMethod(Method):
 
             n_ctx = phrase_tokens(self.tower, p.ctx_init).shape[0]
         if self.tower is ctx.live.tower:
-            self.learner = ctx.live.learner(ctx.class_names, n_ctx, truncate=p.truncate)
+            self.learner = ctx.live.learner(
+                ctx.class_names, n_ctx, truncate=p.truncate, shared_prefix=p.shared_prefix
+            )
         else:
             from fedfeat.encoders.prompt import PromptLearner
 
-            self.learner = PromptLearner(self.tower, ctx.class_names, n_ctx, truncate=p.truncate)
+            self.learner = PromptLearner(
+                self.tower, ctx.class_names, n_ctx, truncate=p.truncate, shared_prefix=p.shared_prefix
+            )
         self.rounds = ctx.rounds
 
     def make_optimizer(self, rnd: int):
