@@ -57,6 +57,7 @@ def main() -> None:
             "bench_startup.py",
             "bench_domain.py",
             "bench_canon.py",
+            "bench_prefix.py",
         ):
             path = ROOT / "bench" / script
             if path.exists():
