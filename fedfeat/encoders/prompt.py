@@ -46,6 +46,7 @@ client's own class subset (``classes  # [n, Kc]`` ids) instead of every class (F
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -305,12 +306,18 @@ def _shared_block(
     qp, kp, vp = _split_heads(F.linear(blk.ln_1(xp), a.in_proj_weight, a.in_proj_bias), 3, H)  # [n, H, P, d]
     qs, ks, vs = _split_heads(F.linear(blk.ln_1(xs), a.in_proj_weight, a.in_proj_bias), 3, H)  # [nK, H, S, d]
     op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True)
-
-    def per_prompt(t: torch.Tensor) -> torch.Tensor:  # [n, H, P, d] -> [n * K, H, P, d], client-major
-        return t.unsqueeze(1).expand(n, K, *t.shape[1:]).reshape(n * K, *t.shape[1:])
-
-    k, v = torch.cat([per_prompt(kp), ks], 2), torch.cat([per_prompt(vp), vs], 2)
-    os_ = F.scaled_dot_product_attention(qs, k, v, attn_mask=allow)
+    # the suffix queries against the client's prefix keys without copying them per prompt (a [n * K, H, P, d] copy
+    # of the keys and of the values would be d / S times the scores' size): scores over [prefix | own suffix], one
+    # softmax, the weighted prefix values summed per client (einsum over the client axis), SDPA's math
+    NK, _, S, d = qs.shape
+    q5 = qs.view(n, K, H, S, d)
+    scale = 1.0 / math.sqrt(d)
+    sp = torch.einsum("nkhsd,nhpd->nkhsp", q5, kp).reshape(NK, H, S, P) * scale
+    ss = (qs @ ks.transpose(-1, -2)) * scale  # [nK, H, S, S]
+    ss = ss.masked_fill(~allow[:, P:], float("-inf"))
+    w = torch.softmax(torch.cat([sp, ss], -1), -1)
+    wp, ws = w[..., :P], w[..., P:]
+    os_ = torch.einsum("nkhsp,nhpd->nkhsd", wp.reshape(n, K, H, S, P), vp).reshape(NK, H, S, d) + ws @ vs
     return _attn_out(blk, xp, op), _attn_out(blk, xs, os_)
 
 
