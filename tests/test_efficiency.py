@@ -38,7 +38,6 @@ def test_summary_seconds_per_image_and_trainable_params(tmp_path):
     # the first training round (one-time costs) is left out of the mean
     want = sum(r["train_seconds"] for r in rows[2:]) / sum(r["images"] for r in rows[2:])
     assert s["seconds_per_image"] == pytest.approx(want, rel=1e-12)
-    assert 0 < s["seconds_per_image"] < 1
 
 
 def test_trainable_params_of_the_adapter_method(tmp_path):

@@ -59,11 +59,18 @@ PROMPT = {  # on the tiny open_clip store (pixels kept: fedcopl and fedopt re-en
     "pfedmoap": {"params": {"n_ctx": 2}},
 }
 NOT_IN_ROUNDS = {"zeroshot"}  # trains nothing in rounds: never checkpoints
+# every other registered method is covered by itself at its defaults, on the store its needs call for (the lists
+# above hold only the settings a method needs beyond its defaults)
+for _name, _cls in REGISTRY.items():
+    if _name not in NOT_IN_ROUNDS and not any(k.split("/")[0] == _name for k in (*FEATURE, *PROMPT)):
+        (PROMPT if _cls.needs_live_text or _cls.needs_pixels else FEATURE)[_name] = {}
 
 
 def test_every_method_that_checkpoints_is_covered():
     covered = {m.split("/")[0] for m in (*FEATURE, *PROMPT)}
     assert covered == set(REGISTRY) - NOT_IN_ROUNDS
+    # each on a store it can run on: the feature store has no live encoder and no pixels
+    assert not [k for k in FEATURE if REGISTRY[k].needs_live_text or REGISTRY[k].needs_pixels]
 
 
 @pytest.fixture(scope="module")
