@@ -77,6 +77,7 @@ from fedfeat.methods.prompt import (
     pseudo_label,
     pseudo_loss,
     pseudo_metrics,
+    refuse_open_vocab,
     round_lr,
 )
 
@@ -252,11 +253,7 @@ class PFedMoAP(PromptMethod):
         self.uses_labels = self.p.pseudo == "none"  # the unsupervised modes never see labels
 
     def setup(self, ctx: Context) -> None:
-        if ctx.open_vocab is not None:
-            raise FedfeatError(
-                f"{self.name} keeps per-client prompts and gating networks over the run's classes; the "
-                "open-vocabulary setting (--partition disjoint-classes) is not supported: use a closed partition"
-            )
+        refuse_open_vocab(ctx, self.name, "per-client prompts and gating networks")
         super().setup(ctx)
         p = self.p
         if p.pseudo != "none":

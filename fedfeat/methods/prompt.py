@@ -388,6 +388,16 @@ def client_scores(scale: float, x: torch.Tensor, t: torch.Tensor) -> torch.Tenso
     return scale * torch.bmm(x, t.transpose(1, 2))
 
 
+def refuse_open_vocab(ctx: Context, name: str, kept: str) -> None:
+    """A personalised prompt method keeps per-client parts (``kept``) over the run's classes: one line refusing the
+    open-vocabulary setting."""
+    if ctx.open_vocab is not None:
+        raise FedfeatError(
+            f"{name} keeps {kept} over the run's classes; the open-vocabulary setting (--partition disjoint-classes) "
+            "is not supported: use a closed partition"
+        )
+
+
 EVAL_ROWS = (
     1024  # local test rows per client and pass (bounds a [clients, rows, classes or memory] temporary)
 )

@@ -76,6 +76,7 @@ from fedfeat.methods.prompt import (
     pseudo_label,
     pseudo_loss,
     pseudo_metrics,
+    refuse_open_vocab,
 )
 
 
@@ -180,11 +181,7 @@ class _Personal(PromptMethod):
         self.uses_labels = self.p.pseudo == "none"  # the unsupervised modes never see labels
 
     def setup(self, ctx: Context) -> None:
-        if ctx.open_vocab is not None:
-            raise FedfeatError(
-                f"{self.name} keeps per-client prompts over the run's classes; the open-vocabulary setting "
-                "(--partition disjoint-classes) is not supported: use a closed partition"
-            )
+        refuse_open_vocab(ctx, self.name, "per-client prompts")
         super().setup(ctx)
         if self.p.pseudo != "none":
             pseudo_label(ctx, self.p.pseudo, self.p)
