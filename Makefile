@@ -67,9 +67,10 @@ bench-threads: install ## creff / clip2fl / fedclip s per round at the thread po
 
 # On an offline GPU machine whose python3 has a CUDA torch: no install (no .venv there; fedfeat is pure Python, so
 # PYTHONPATH=. runs it), the wheels `bash scripts/device_wheels.sh` downloaded into .devwheels/ on a machine with
-# network (carried along), then the bench (~3-5 min on one H100). BENCH_GPU_FLAGS: more flags (e.g. --budget 200).
+# network (carried along), then the bench (~7-8 min on one H100, --budget 380). BENCH_GPU_FLAGS: more flags (e.g.
+# --budget 200, or --parts ef for the encode and prompt parts only).
 BENCH_GPU_FLAGS ?=
-bench-gpu: ## on a GPU machine: make bench-gpu PY=python3 (batched vs loop, stacked runs, agreement, GPU memory) -> bench/results/gpu.md
+bench-gpu: ## on a GPU machine: make bench-gpu PY=python3 (batched vs loop, stacked runs, agreement, GPU memory, encode img/s RN50 / ViT-B-32 / ViT-L-14 PIL vs device feed, promptfl / fedcopl steps and rounds) -> bench/results/gpu.md
 	PY=$(PY) bash scripts/device_wheels.sh install
 	PYTHONPATH=.:.devwheels/site $(PY) bench/bench_gpu.py --out bench/results/gpu.md $(BENCH_GPU_FLAGS)
 

@@ -58,6 +58,7 @@ def main() -> None:
             "bench_domain.py",
             "bench_canon.py",
             "bench_prefix.py",
+            "bench_feed.py",
         ):
             path = ROOT / "bench" / script
             if path.exists():

@@ -66,7 +66,7 @@ rows "$t" '^\| zeroshot \| - \|.*\| no-partition \|.*\| 5 \| 0,1,2,3,4 \|' 1
 rows "$t" '^\| [a-z0-9-]+ \| ' 12
 [ -s "$tmp/demo/curves.png" ] || { echo "ci_demos: make demo drew no curves.png" >&2; fail=1; }
 
-# the GPU bench at CPU sizes (issue 40: `make bench-gpu`'s script cannot rot where CI has no GPU): ~7 s
+# the GPU bench at CPU sizes (issue 40: `make bench-gpu`'s script cannot rot where CI has no GPU): ~10 s
 gpu_ok=1
 PYTHONPATH=. .venv/bin/python bench/bench_gpu.py --device cpu --quick --out "$tmp/gpu_cpu.md" > "$tmp/gpu_cpu.log" 2>&1 || gpu_ok=0
 grep -q 'GPU: batched vs loop engine' "$tmp/gpu_cpu.md" 2>/dev/null || gpu_ok=0

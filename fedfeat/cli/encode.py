@@ -104,6 +104,17 @@ def register(app: typer.Typer) -> None:
                 "images (visual prompts); features are computed from exactly those pixels.",
             ),
         ] = False,
+        feed: Annotated[
+            str,
+            typer.Option(
+                help="How images reach the model: pil (the model's own transform with PIL, per image, in the "
+                "loader: the default) or device (decoded images resized, centre-cropped and normalised in batches "
+                "on --device, Pillow's bicubic arithmetic reproduced exactly; on CUDA, JPEG files decoded on the "
+                "GPU). On CPU its model inputs measured bit-identical to pil's (features equal, tolerance 0); pil "
+                "stays the default until the GPU path (nvJPEG decode) is shown equal too. Recorded in the store's "
+                "fingerprint.",
+            ),
+        ] = "pil",
         skip_bad: Annotated[
             bool,
             typer.Option(
@@ -205,6 +216,7 @@ def register(app: typer.Typer) -> None:
             force=force,
             skip_bad=skip_bad,
             pixels=pixels,
+            feed=feed,
             chunk_rows=chunk_rows,
             distributed=True if distributed else None,
             cache_dir=cache_dir,

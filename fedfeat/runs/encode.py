@@ -279,6 +279,7 @@ def encode(
     probe_timeout: float = 5.0,
     autocast: bool = False,
     pixels: bool = False,
+    feed: str = "pil",
     dataset_options: dict | None = None,
     console=None,
     stats: dict | None = None,
@@ -294,6 +295,9 @@ def encode(
     ``pixels``: also keep every image as the model's uint8 input after its resize and centre crop (``[N, 3, H,
     W]``, chunked and checksummed like the features; the features are computed from exactly those pixels,
     normalised on the device) for the methods that re-encode images (``fedfeat.store.featurestore.FeatureStore.pixels``).
+    ``feed``: ``pil`` (the model's own PIL transform, per image, in the loader) or ``device`` (decoded images resized,
+    cropped and normalised in batches on ``device`` by ``fedfeat.encoders.feed.DeviceFeed``, Pillow's arithmetic
+    reproduced exactly; recorded in the fingerprint).
     ``dataset_options``: ``image_column``, ``label_column``, ``classnames`` for ``hf:`` / ``wds:`` datasets;
     ``domains`` (a subset of the domains) for the multi-domain readers. Each row's domain, where the reader has
     ``domain_names``, is recorded in the store (``FeatureStore.domains``).
@@ -319,6 +323,8 @@ def encode(
         raise FedfeatError(f"the network probe timeout must be > 0 seconds, got {probe_timeout}")
     if precision not in clipcompat.PRECISIONS:
         raise FedfeatError(f"unknown precision '{precision}'; use one of {', '.join(clipcompat.PRECISIONS)}")
+    if feed not in ("pil", "device"):
+        raise FedfeatError(f"unknown --feed '{feed}'; use pil (the default) or device")
     dist_ctx, dev = init_dist(distributed, device)
     console = console or Console(stderr=True)
 
@@ -352,6 +358,7 @@ def encode(
             "templates": tmpl,
             "precision": precision,
             **({"pixels": True} if pixels else {}),
+            **({"feed": feed} if feed != "pil" else {}),  # default stores keep their fingerprint
         }
         store_name = name or _with_domains(_dataset_name(dataset, root, None), dataset_options)
         path = store_path(out, store_name, bb.name, weights.label)
@@ -381,6 +388,11 @@ def encode(
             bb, weights, device=dev, precision=precision, autocast=autocast, cache_dir=cache_dir
         )
         stats["model_seconds"] = time.perf_counter() - t
+        device_feed = None
+        if feed == "device":  # refuses a transform it cannot reproduce, before the store is created
+            from fedfeat.encoders.feed import DeviceFeed
+
+            device_feed = DeviceFeed.from_transform(clip.transform, clip.device)
         if dist_ctx.rank == 0 and action in ("create", "recreate"):
             say(f"creating {path} ({bb.name}, weights {weights.label}, {len(tmpl)} template(s), {precision})")
             labels = {s: ds.labels(s) for s in ds.split_names}
@@ -463,6 +475,7 @@ def encode(
             console=console,
             say=say_all if dist_ctx.active else say,
             rank_tag=rank_tag,
+            device_feed=device_feed,
         )
 
         dist_ctx.barrier()
@@ -517,7 +530,19 @@ def _workers(workers: int | None, dev: torch.device, dist_ctx: Dist) -> int:
 
 
 def _encode_chunks(
-    st, ds, clip, chunks, batch_size, workers, skip_bad, *, progress, console, say, rank_tag=""
+    st,
+    ds,
+    clip,
+    chunks,
+    batch_size,
+    workers,
+    skip_bad,
+    *,
+    progress,
+    console,
+    say,
+    rank_tag="",
+    device_feed=None,
 ) -> tuple[int, float]:
     """Encode ``chunks`` (list of ``(split, chunk index)``), writing each one whole; -> (images, seconds)."""
     if not chunks:
@@ -533,11 +558,16 @@ def _encode_chunks(
         transform, dtype = _Pixels(geometric), torch.uint8
     else:
         transform, dtype = clip.transform, torch.float32
+    rows, collate = _Rows(ds, transform), partial(_collate, size=clip.input_size, dtype=dtype)
+    if device_feed is not None:  # decoded uint8 images of any size; resized etc. on the device
+        from fedfeat.encoders.feed import RawRows, collate_raw
+
+        rows, collate = RawRows(ds, jpeg=device_feed.decodes_jpeg), collate_raw
     loader = torch.utils.data.DataLoader(
-        _Rows(ds, transform),
+        rows,
         batch_sampler=batches,
         num_workers=workers,
-        collate_fn=partial(_collate, size=clip.input_size, dtype=dtype),
+        collate_fn=collate,
         pin_memory=clip.device.type == "cuda",
     )
     sleep = float(os.environ.get(_SLEEP_ENV, "0") or 0)
@@ -552,14 +582,18 @@ def _encode_chunks(
     with _progress(progress, console) as bar:
         task = bar.add_task("encode", total=total)
         for keys, (images, errors) in zip(batches, loader):  # images  # [B, 3, H, W]
+            if device_feed is not None:  # uint8 [B, 3, H, W] on the device, as the PIL transform makes them
+                images, errors = device_feed.pixels(images, errors)
             bad = [k for k, e in enumerate(errors) if e]
             if bad and not skip_bad:
                 raise FedfeatError(errors[bad[0]])
             if pbuf is not None:
                 from fedfeat.store.featurestore import normalize_pixels
 
-                pbuf[filled : filled + len(images)] = images.numpy()
+                pbuf[filled : filled + len(images)] = images.cpu().numpy()
                 images = normalize_pixels(images.to(clip.device), px_spec["mean"], px_spec["std"])
+            elif device_feed is not None:
+                images = device_feed.normalize(images)
             feats = clip.encode_images(images).numpy()  # [B, D] float32
             with np.errstate(over="ignore"):  # what the store keeps: float16 (overflow -> inf)
                 finite = np.isfinite(feats.astype(np.float16)).all(axis=1)

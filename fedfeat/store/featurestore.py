@@ -603,14 +603,11 @@ def copy_store(src: str | Path, dst: str | Path, *, overwrite: bool = False, log
 
 
 def normalize_pixels(px, mean, std):
-    """uint8 model inputs ``[B, 3, H, W]`` (a torch tensor, any device) -> the model's float32 input, with exactly
-    torchvision's ``ToTensor`` + ``Normalize`` arithmetic (``x / 255``, then ``(x - mean) / std`` per channel)."""
-    import torch
+    """uint8 model inputs ``[B, 3, H, W]`` -> the model's float32 input (``fedfeat.encoders.feed.normalize_pixels``:
+    torchvision's ``ToTensor`` + ``Normalize`` arithmetic)."""
+    from fedfeat.encoders.feed import normalize_pixels as norm
 
-    x = px.to(torch.float32).div(255)
-    m = torch.as_tensor(mean, dtype=torch.float32, device=x.device).view(-1, 1, 1)
-    s = torch.as_tensor(std, dtype=torch.float32, device=x.device).view(-1, 1, 1)
-    return x.sub_(m).div_(s)
+    return norm(px, mean, std)
 
 
 def publish(out: Path, write, what: str, fix: str) -> None:
