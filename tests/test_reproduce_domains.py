@@ -67,7 +67,8 @@ def tiny_tpg(monkeypatch):
     for name in ("fedtpg-base", "fedtpg-new", "fedtpg-hm"):
         t = R.TABLES[name]
         cols = [c for c in t.columns if c.domain in three]
-        rows = [dataclasses.replace(r, params={"n_ctx": "2", "local_epochs": "1"}) for r in t.rows]
+        rows = [r if r.method == "zeroshot" else dataclasses.replace(r, params={"n_ctx": "2", "local_epochs": "1"})
+                for r in t.rows]  # fmt: skip
         paper = {k: [v[i] for i, c in enumerate(t.columns) if c.domain in three] for k, v in t.paper.items()}
         monkeypatch.setitem(R.TABLES, name, dataclasses.replace(t, columns=cols, rows=rows, paper=paper,
                                                                 fixed={**t.fixed, "clients": 3}))  # fmt: skip
@@ -102,17 +103,92 @@ def test_fedtpg_tables_run_on_combined_stand_ins(tiny_tpg, tmp_path, monkeypatch
     base = {(c["row"], c["column"]): c for c in json.loads(R.reproduce("fedtpg-base", fmt="json", **kw))}
     new = {(c["row"], c["column"]): c for c in json.loads(R.reproduce("fedtpg-new", fmt="json", **kw))}
     runs = [json.loads(p.read_text()) for p in (tmp_path / "runs").glob("*/summary.json")]
-    assert sorted(s["method"] for s in runs) == [
-        "fedtpg",
-        "promptfl",
-    ]  # the three tables read the same two runs
+    # the three tables read the same three runs (zero-shot on the feature stand-in, the prompt rows on the live one)
+    assert sorted(s["method"] for s in runs) == ["fedtpg", "promptfl", "zeroshot"]
     for s in runs:
         assert s["partition"] == "b2n+class-blocks-b20-shot8-c3-s43"
         assert set(s["domain_novel_acc"]) == set(tiny_tpg)
-        row = {"fedtpg": "FedTPG", "promptfl": "PromptFL"}[s["method"]]
+        row = {"fedtpg": "FedTPG", "promptfl": "PromptFL", "zeroshot": "CLIP (zero-shot)"}[s["method"]]
         for col, dom in zip(("Caltech", "Pets", "DTD"), tiny_tpg):
             assert base[(row, col)]["mean"] == pytest.approx(s["domain_base_acc"][dom])
             assert new[(row, col)]["mean"] == pytest.approx(s["domain_novel_acc"][dom])
     assert base[("FedTPG", "Caltech")]["paper"] == 97.2 and new[("FedTPG", "DTD")]["paper"] == 61.7
+    assert base[("CLIP (zero-shot)", "Caltech")]["paper"] is None  # no CLIP numbers at hand
     md = R.reproduce("fedtpg-hm", fmt="markdown", **kw)
     assert "SYNTHETIC STAND-IN" in md and "| FedTPG |" in md and "prints no harmonic mean" in md
+    assert "| CLIP (zero-shot) |" in md
+
+
+def _zs_by_hand(x, y, text, vocab):
+    """Zero-shot accuracy (%) of the rows of ``y`` in ``vocab``, each the argmax of cos(image, text) over ``vocab``."""
+    import numpy as np
+
+    rows = np.isin(y, vocab)
+    t = text[vocab] / np.linalg.norm(text[vocab], axis=1, keepdims=True)
+    pred = np.asarray(vocab)[(x[rows] @ t.T).argmax(1)]
+    return 100 * float((pred == y[rows]).mean())
+
+
+@pytest.mark.parametrize("combined", [False, True])
+def test_zeroshot_base_to_novel_is_zero_shot_over_each_vocabulary(tmp_path, combined):
+    """``--method zeroshot --base-novel``: base_acc / test_acc (novel) / hm, and per dataset of a combined store
+    domain_base_acc / domain_novel_acc / domain_hm, are CLIP zero-shot accuracies over the restricted vocabularies
+    (each dataset's first ceil(n / 2) classes base, the rest novel), recomputed here from the store's features and
+    text embeddings."""
+    import math
+
+    import numpy as np
+    from helpers_clip import run_cli
+
+    from fedfeat.partition.openvocab import harmonic_mean
+    from fedfeat.store.combine import combine_stores
+    from fedfeat.store.synth import SynthParams, write_synthetic_store
+
+    q = {"stats": False, "log": lambda *a: None}
+    sp = dict(dim=8, train_per_class=6, test_per_class=6, templates=1, s=0.3)
+    a = write_synthetic_store(tmp_path / "a.zarr", SynthParams(classes=5, **sp), **q)
+    stores, names = [a], ["a"]
+    if combined:
+        b = write_synthetic_store(tmp_path / "b.zarr", SynthParams(classes=4, seed=1, **sp), **q)
+        st = combine_stores(tmp_path / "ab.zarr", [a.path, b.path], ["pets", "cars"], log=lambda *a: None)
+        stores, names = [a, b], ["pets", "cars"]
+    else:
+        st = a
+    r = run_cli(["train", "--store", st.path, "--method", "zeroshot", "--base-novel", "--partition", "iid",
+                 "--clients", 2, "--rounds", 1, "--out", tmp_path / "runs"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    s = json.loads(next((tmp_path / "runs").glob("*/summary.json")).read_text())
+    assert s["partition"].startswith("b2n+")
+    x = st.features("test").astype(np.float64)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    y, text = st.labels("test"), st.text_features().astype(np.float64)
+    text = text[0]  # [T, K, D]: the first template ("first", zeroshot's default)
+    base, novel, per = [], [], {}
+    off = 0
+    for name, src in zip(names, stores):
+        n = src.n_classes
+        b_, n_ = list(range(off, off + math.ceil(n / 2))), list(range(off + math.ceil(n / 2), off + n))
+        base += b_
+        novel += n_
+        per[name] = (_zs_by_hand(x, y, text, b_), _zs_by_hand(x, y, text, n_))
+        off += n
+    if combined:  # each dataset over its own vocabulary: the overall accuracies pool the per-dataset hits
+        nb = {k: np.isin(y, v).sum() for k, v in (("b", base), ("n", novel))}
+        sizes = {name: (np.isin(y, np.arange(o, o + src.n_classes)[: math.ceil(src.n_classes / 2)]).sum(),
+                        np.isin(y, np.arange(o, o + src.n_classes)[math.ceil(src.n_classes / 2):]).sum())
+                 for name, src, o in zip(names, stores, (0, stores[0].n_classes))}  # fmt: skip
+        want_base = sum(per[k][0] * sizes[k][0] for k in names) / nb["b"]
+        want_novel = sum(per[k][1] * sizes[k][1] for k in names) / nb["n"]
+        for k in names:
+            assert s["domain_base_acc"][k] == pytest.approx(per[k][0])
+            assert s["domain_novel_acc"][k] == pytest.approx(per[k][1])
+            assert s["domain_hm"][k] == pytest.approx(harmonic_mean(per[k][1], per[k][0]))
+    else:
+        want_base, want_novel = _zs_by_hand(x, y, text, base), _zs_by_hand(x, y, text, novel)
+        assert "domain_base_acc" not in s
+    assert s["base_acc"] == pytest.approx(want_base)
+    assert s["final_acc"] == pytest.approx(want_novel)
+    assert s["hm"] == pytest.approx(harmonic_mean(want_novel, want_base))
+    # the restriction matters on this store: over all classes, some novel test image is predicted as a base class
+    rows = np.isin(y, novel)
+    assert np.isin((x[rows] @ (text / np.linalg.norm(text, axis=1, keepdims=True)).T).argmax(1), base).any()

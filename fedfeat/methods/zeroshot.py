@@ -1,5 +1,13 @@
 """CLIP zero-shot classification (CLIP-ZS): argmax over classes of image . text, no training.
 
+Base-to-novel (``--base-novel``, CoOp's protocol, FedTPG's tables): the run's vocabularies are the protocol's (the
+first ceil(K/2) classes of each dataset base, the rest novel), so ``test_acc`` is zero-shot accuracy of the novel
+test images over the novel classes, ``base_acc`` that of the base images over the base classes, ``hm`` their harmonic
+mean, and on a combined store ``domain_novel_acc`` / ``domain_base_acc`` / ``domain_hm`` the same per dataset (the
+engine's open-vocabulary evaluation through ``Method.predict_classes``: argmax over the restricted columns). Such a
+run draws its partition, as a ``disjoint-classes`` one does (``fedfeat.runs.train.uses_partition``), since the
+vocabularies come with it; the method still trains nothing and reads none of the clients' rows.
+
 A run also writes its result in CLIP_benchmark's JSON schema (``fedfeat.report.clipbench``, from the logits of
 ``benchmark_logits``): top-1, top-5 accuracy and
 mean per-class recall on the store's test split, in a file named as CLIP_benchmark names its outputs
@@ -38,7 +46,9 @@ class ZeroShot(Method):
     Params = ZeroShotParams
     uses_labels = False
     federated = False
-    needs_partition = False  # no training data read: --partition settings are ignored (fedfeat.runs.train)
+    # no training data read: --partition settings are ignored (fedfeat.runs.train), except where the evaluation
+    # depends on them (disjoint-classes, --base-novel: the base / novel vocabularies; --local-test; long tails)
+    needs_partition = False
     no_stack_reason = "no training: a run is one evaluation, nothing per round to share"
 
     def init_global(self, ctx):

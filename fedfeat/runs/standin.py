@@ -12,7 +12,9 @@ image tower) through the ordinary loading path.
 What it is for: the grid's prompt rows *run* anywhere (a CPU, CI) and exercise their whole path. What it is not:
 a random tiny CLIP knows no words and no images, so its numbers (zero-shot near chance) say nothing about any
 method on real data -- the table's title says so. Sizes: the dataset's class count, at most ``LIVE_TRAIN`` train
-and ``LIVE_TEST`` test images per class (fewer than the feature stand-in: these images are re-encoded every step).
+and ``LIVE_TEST`` test images per class (fewer than the feature stand-in: these images are re-encoded every step);
+of a domain shape (``domains``), that many per class in each domain, read as DomainNet's layout so that the store
+records each row's domain (``--partition domain``).
 """
 
 from __future__ import annotations
@@ -103,6 +105,50 @@ def standin_images(folder: Path, classes: int, train: int, test: int, seed: int 
     return folder
 
 
+def standin_domain_images(
+    folder: Path, classes: int, train: int, test: int, domains: list[str], seed: int = 0
+) -> Path:
+    """A DomainNet-layout tree (``fedfeat.data.domains`` ``domainnet``: ``folder/<domain>/classNNN/<split>_i.png`` and
+    list files ``<domain>_{train,test}.txt``) of ``standin_images``' class patterns, one style per domain: a domain's
+    images are its class pattern blended with a random colour field of its own (weight 0.4), so that the domains
+    share their classes and differ in appearance, a feature shift. Written once (a ``.complete`` marker last)."""
+    from PIL import Image
+
+    done = folder / ".complete"
+    if done.is_file():
+        return folder
+    rs = np.random.RandomState(seed)
+    protos = rs.uniform(0, 255, size=(classes, 4, 4, 3))
+    styles = rs.uniform(0, 255, size=(len(domains), 2, 2, 3))
+    for d, dom in enumerate(domains):
+        style = np.kron(styles[d], np.ones((16, 16, 1)))  # [32, 32, 3]
+        for split, n in (("train", train), ("test", test)):
+            lines = []
+            for c in range(classes):
+                rel = Path(dom) / f"class{c:03d}"
+                (folder / rel).mkdir(parents=True, exist_ok=True)
+                base = 0.6 * np.kron(protos[c], np.ones((8, 8, 1))) + 0.4 * style
+                for i in range(n):
+                    img = np.roll(base, tuple(rs.randint(-4, 5, size=2)), axis=(0, 1)) + rs.normal(
+                        0, 40, base.shape
+                    )
+                    Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(
+                        folder / rel / f"{split}_{i:04d}.png"
+                    )
+                    lines.append(f"{(rel / f'{split}_{i:04d}.png').as_posix()} {c}")
+            (folder / f"{dom}_{split}.txt").write_text("\n".join(lines) + "\n")
+    done.write_text("ok\n")
+    return folder
+
+
+def _domain_names(shape: dict) -> list[str]:
+    """A domain shape's domain names (``domain_names``, else ``domain 0``, ...), as the DomainNet reader orders them
+    (alphabetically: the published DomainNet, Office-Caltech10 and PACS names already are)."""
+    n = int(shape.get("domains", 0) or 0)
+    names = [x.strip() for x in str(shape.get("domain_names", "")).split(",") if x.strip()]
+    return sorted(names or [f"domain{d}" for d in range(n)])
+
+
 def live_standin(root: Path, dataset: str, shape: dict, log=print) -> Path:
     """The live stand-in store of ``dataset`` under ``root`` (``root/live-standin/...``), built on first use: the
     shape's class count, ``min(train_per_class, LIVE_TRAIN)`` / ``min(test_per_class, LIVE_TEST)`` images per class."""
@@ -122,14 +168,28 @@ def live_standin(root: Path, dataset: str, shape: dict, log=print) -> Path:
         "real data)"
     )
     cfg, weights = standin_model(base)
-    images = standin_images(base / "images" / dataset, int(shape["classes"]), train, test)
+    fmt = "imagefolder"
+    if shape.get("domains"):  # a domain shape: every domain has the classes, in a style of its own
+        fmt = "domainnet"
+        images = standin_domain_images(
+            base / "images" / dataset, int(shape["classes"]), train, test, _domain_names(shape)
+        )
+    else:
+        images = standin_images(base / "images" / dataset, int(shape["classes"]), train, test)
     from rich.console import Console
 
     got = encode(
-        "imagefolder", images, str(cfg), str(weights), templates=TEMPLATE, out=out, name=dataset,
+        fmt, images, str(cfg), str(weights), templates=TEMPLATE, out=out, name=dataset,
         batch_size=256, device="cpu", pixels=True, console=Console(file=io.StringIO()),
     )  # fmt: skip
     return Path(got)
 
 
-__all__ = ["LIVE_TEST", "LIVE_TRAIN", "live_standin", "standin_images", "standin_model"]
+__all__ = [
+    "LIVE_TEST",
+    "LIVE_TRAIN",
+    "live_standin",
+    "standin_domain_images",
+    "standin_images",
+    "standin_model",
+]
