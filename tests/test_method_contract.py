@@ -43,7 +43,7 @@ KIND = {
     "uses_labels": "bool", "runs_on": "str", "federated": "bool", "centralized": "bool", "needs_partition": "bool",
     "needs_live_text": "bool", "needs_pixels": "bool", "shardable": "bool", "benchmark_logits": "hook",
     "local_accuracies": "hook", "stacks": "bool", "no_stack_reason": "str", "stack_shape": "names",
-    "divergence_hint": "str", "trains_clients": "bool",
+    "divergence_hint": "str", "trains_clients": "bool", "dp_client": "bool", "dp_sample": "str",
 }  # fmt: skip
 
 

@@ -54,6 +54,8 @@ ENGINE_STATE_KEYS: dict[str, str] = {
     "kernels' per-client buffers); not checkpointed (checkpoint.TRANSIENT)",
     "carried_optimizer": "engine, server: {'state': the one optimiser's state} carried from client to client and "
     "round to round by rounds.run_carried (methods whose optimizer_state is 'carried')",
+    "dp": "engine, server: {'clip': the clipping norm C (adaptive clipping moves it), 'round': the last round's DP "
+    "figures} (fedfeat.engine.privacy; DP runs only)",
 }
 
 
@@ -178,6 +180,7 @@ class Context:
     # the learning rate of this round's optimiser as the engine made it (``method.make_optimizer(rnd).lr``: a decay
     # schedule applied), set before ``local_begin``; None before the first round's local update
     lr_round: float | None = None
+    dp: object | None = None  # fedfeat.engine.privacy.DPConfig of a differentially private run, else None
 
     def test_xT(self) -> torch.Tensor:
         """``test_x`` transposed to ``[D, N_test]``, contiguous, made once: a linear head's test logits as

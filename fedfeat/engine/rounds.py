@@ -107,8 +107,12 @@ def run_local(
         method.local_end(ctx, plan, local, params)
         return params, {"loss_sum": loss, "loss_steps": int(plan.steps.sum()) * plan.epochs}
     prog = TorchLocal(method, ctx, plan, params, opt, local)
+    private = ctx.dp is not None and ctx.dp.mode == "sample"
     for epoch in range(plan.epochs):
         for s in range(prog.begin_epoch(epoch)):
+            if private:  # DP-SGD: clipped per-sample gradients plus noise (fedfeat.engine.privacy)
+                prog.dp_step(s)
+                continue
             p, loss = prog.loss(s)
             prog.step(p, loss, torch.autograd.grad(loss.sum(), list(p.values())))
     method.local_end(ctx, plan, local, params)
@@ -143,22 +147,51 @@ class TorchLocal:
         self.method.epoch_begin(ctx, plan, self.local, epoch)
         return idx.shape[0]
 
-    def loss(self, s: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """``(the active clients' parameters as autograd leaves, their losses [n])`` of step ``s``."""
+    def batch(self, s: int) -> Batch:
+        """The active clients' mini-batch of step ``s``."""
         ctx, labels, D = self.ctx, self.ctx.labels, self.D
         n = self.plan.active(s)
         B = int(self.widths[s])
         ib = self.idx[s, :n, :B]  # [n, B]
         x = torch.index_select(ctx.feats, 0, ib.reshape(-1), out=self.xbuf[: n * B]).view(n, B, D)
-        batch = Batch(
+        return Batch(
             x, self.mask[s, :n, :B], ib, n, self.epoch, s, labels[ib] if labels is not None else None
         )
+
+    def loss(self, s: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """``(the active clients' parameters as autograd leaves, their losses [n])`` of step ``s``."""
+        batch = self.batch(s)
+        n = batch.n
         p = {k: v[:n].detach().requires_grad_(True) for k, v in self.params.items()}
         self.n = n
-        loss = self.method.step_loss(ctx, p, batch, self.local)  # [n]
+        loss = self.method.step_loss(self.ctx, p, batch, self.local)  # [n]
         if self.loss_n == 0:  # the update's first step: the hook's shape, checked once (not per step)
             check_loss(self.method, loss, n)
         return p, loss
+
+    def dp_step(self, s: int) -> None:
+        """Step ``s`` of DP-SGD (``fedfeat.engine.privacy``): each active client's clipped per-sample gradients
+        summed (``method.dp_clipped_sums``), Gaussian noise added per client, divided by the batch size, the exact
+        gradient of a data-independent regulariser added; then the method's optimiser."""
+        from fedfeat.engine.privacy import sample_noise
+
+        method, ctx, plan = self.method, self.ctx, self.plan
+        batch = self.batch(s)
+        n = batch.n
+        p = {k: v[:n].detach() for k, v in self.params.items()}
+        loss, sums = method.dp_clipped_sums(ctx, p, batch, self.local, float(ctx.state["dp"]["clip"]))
+        grads = sample_noise(ctx, plan, sums, plan.clients[:n], self.epoch, s, plan.batch_size)
+        leaves = {k: v.requires_grad_(True) for k, v in {k: v.clone() for k, v in p.items()}.items()}
+        with torch.enable_grad():
+            reg = method.dp_regularizer(ctx, leaves, self.local)
+            if reg is not None:
+                loss = loss + reg.detach()
+                extra = torch.autograd.grad(reg.sum(), list(leaves.values()), allow_unused=True)
+                grads = {k: grads[k] + (0 if e is None else e) for k, e in zip(leaves, extra)}
+        self.n = n
+        self.opt.step(self.params, {k: grads[k] for k in self.params}, n)
+        self.loss_sum += loss.detach().double().sum()
+        self.loss_n += n
 
     def step(self, p: dict, loss: torch.Tensor, grads) -> None:
         """The optimiser's step with ``grads`` (of ``p``'s tensors, in its order) and the loss counted."""
@@ -423,6 +456,7 @@ def run_federated(
     checkpoint_every: int = 0,
     resume: tuple[int, dict, dict] | None = None,
     eval_every: int = 1,
+    dp=None,
 ) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """Run ``rounds`` federated rounds of ``method``; returns the final weights (``method.final_weights``:
     the global parameters unless the method adds more) and the per-round metrics (round 0 is the evaluation
@@ -437,7 +471,11 @@ def run_federated(
     ``FedfeatError`` naming the round and the method.
 
     ``eval_every`` N: the test evaluation runs at round 0, every N-th round and the last; the other rounds' rows
-    have ``test_acc`` None (their training metrics are kept)."""
+    have ``test_acc`` None (their training metrics are kept).
+
+    ``dp``: a ``fedfeat.engine.privacy.DPConfig`` (client-level DP-FedAvg or sample-level DP-SGD); its noise
+    multiplier is calibrated to its ``epsilon`` when it has none, and every round's row gets ``epsilon`` (spent so
+    far, at ``dp.delta``) and the round's clipping figures."""
     INT, REAL = (
         numbers.Integral,
         numbers.Real,
@@ -455,6 +493,16 @@ def run_federated(
     if eval_every < 1:
         raise FedfeatError(f"--eval-every must be >= 1, got {eval_every}")
     device = torch.device(device)
+    if dp is not None:
+        from fedfeat.engine.privacy import check_method
+
+        check_method(method, dp)
+        if dp.mode == "sample" and kernel == "fused":
+            raise FedfeatError(
+                "--dp sample clips per-sample gradients in the torch program; use --kernel torch"
+            )
+        if dp.mode == "sample":
+            kernel = "torch"
     kernel = resolve_kernel(kernel, method, engine, device)
     threads = torch.get_num_threads()
     if kernel == "fused":
@@ -465,7 +513,7 @@ def run_federated(
     try:
         return _run(
             method, data, rounds, participation, seed, engine, device, kernel, threads, on_round,
-            on_checkpoint, checkpoint_every, resume, eval_every,
+            on_checkpoint, checkpoint_every, resume, eval_every, dp,
         )  # fmt: skip
     finally:
         torch.set_num_threads(threads)
@@ -586,9 +634,17 @@ def check_finite(method, ctx: Context, rnd: int, glob: dict, loss: float | None)
 
 def _run(
     method, data, rounds, participation, seed, engine, device, kernel, threads, on_round,
-    on_checkpoint=None, checkpoint_every=0, resume=None, eval_every=1,
+    on_checkpoint=None, checkpoint_every=0, resume=None, eval_every=1, dp=None,
 ):  # fmt: skip
     ctx = build_context(data, method, seed, device)
+    accounting = None
+    if dp is not None:
+        from fedfeat.engine import privacy
+
+        if dist_info()[1] > 1:
+            raise FedfeatError("differentially private runs are made in one process; drop torchrun")
+        dp, accounting = privacy.prepare(dp, ctx, method, participation, rounds)
+        ctx.dp = dp
     ctx.threads = threads
     ctx.rounds = rounds
     rank, world = dist_info()
@@ -611,6 +667,8 @@ def _run(
     check_params(method, "init_global", glob)
     metrics: list[dict] = []
     first = 1
+    if dp is not None:
+        ctx.state["dp"] = {"clip": float(dp.clip_norm), "round": {}}
     if resume is not None:  # the checkpoint replaces what setup and init_global made
         done, glob, state = resume
         ctx.state.update(state)
@@ -657,7 +715,10 @@ def _run(
                 "loss_sum": sum(o[1]["loss_sum"] for o in outs),
                 "loss_steps": sum(o[1]["loss_steps"] for o in outs),
             }
-        new = method.aggregate(ctx, plan, glob, cparams)
+        if dp is not None and dp.mode == "client":  # DP-FedAvg: clipped, uniform, noised (engine.privacy)
+            new = privacy.client_aggregate(ctx, plan, glob, cparams, parts=method.dp_parts())
+        else:
+            new = method.aggregate(ctx, plan, glob, cparams)
         glob = check_params(method, "server_update", method.server_update(ctx, plan, glob, new), glob)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -677,6 +738,16 @@ def _run(
                 "train_seconds": train_seconds,
                 "images": plan.images,
                 "trainable_params": trainable_params(cparams, plan.m) if method.trains_clients else 0,
+                **(
+                    {}
+                    if accounting is None
+                    else {
+                        "epsilon": accounting(rnd),
+                        "dp_noise_multiplier": dp.noise_multiplier,
+                        "dp_clip": float(ctx.state["dp"]["clip"]),
+                        **ctx.state["dp"]["round"],
+                    }
+                ),
             },
         )
         if (

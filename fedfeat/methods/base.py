@@ -615,6 +615,20 @@ class Method:
         "clients train parameters (False: the training-free family -- clients upload statistics, "
         "summary.json trainable_params is 0)",
     )
+    dp_client = Capability(
+        bool,
+        False,
+        "client-level DP-FedAvg applies (--dp client): its server step runs on an average of its clients' updates "
+        "and they upload nothing else (fedfeat.engine.privacy)",
+        inherited=False,
+    )
+    dp_sample = Capability(
+        typing.Literal["", "head", "text"],
+        "",
+        "sample-level DP-SGD in local training (--dp sample): 'head' (a linear head's per-sample gradients as "
+        "outer products), 'text' (text prompts, batched vector-Jacobian products) or '' (none)",
+        inherited=False,
+    )
     stack_shape = Capability(
         tuple[str, ...],
         ("batch_size", "local_epochs", "normalize", "templates", "renormalize_synthetic"),
@@ -704,6 +718,26 @@ class Method:
 
     def local_end(self, ctx: Context, plan: RoundPlan, local: dict, params: dict) -> None:
         pass
+
+    # ---- differential privacy (``fedfeat.engine.privacy``; the capabilities dp_client / dp_sample)
+    def dp_clipped_sums(
+        self, ctx: Context, params: dict, batch, local: dict, clip: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Sample-level DP: ``(the per-client mean loss [n] of the batch, {name: [n, ...]} the sums over each
+        client's real samples of their gradients clipped to L2 norm ``clip``)`` for the parameters ``params`` (not
+        leaves). A method with ``dp_sample`` implements it; the engine adds the noise and ``dp_regularizer``."""
+        raise NotImplementedError(f"method {self.name} has no per-sample gradients")
+
+    def dp_parts(self) -> int:
+        """Client-level DP: how many separately clipped parts a client uploads (its update, and e.g. CReFF's class
+        gradients); the noise on each is ``sqrt(parts)`` times one part's, so the round stays one Gaussian mechanism
+        of the run's noise multiplier."""
+        return 1
+
+    def dp_regularizer(self, ctx: Context, params: dict, local: dict) -> torch.Tensor | None:
+        """Sample-level DP: the data-independent part of the local loss ``[n]`` (FedProx's proximal term),
+        differentiated exactly (not clipped, not noised); None: there is none."""
+        return None
 
     # ---- fused CPU kernel (optional; ``fedfeat.engine.kernels``)
     def fused_loss(self):

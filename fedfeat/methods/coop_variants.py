@@ -204,6 +204,7 @@ class FedKgCoOp(_CoOpFL):
 
     name = "fedkgcoop"
     shardable = True
+    dp_client = True  # DP-FedAvg of the contexts
     Params = FedKgCoOpParams
     uses_labels = True
 
@@ -257,6 +258,7 @@ class FedCoCoOp(_CoOpFL):
 
     name = "fedcocoop"
     shardable = True
+    dp_client = True  # DP-FedAvg of the contexts
     Params = FedCoCoOpParams
     uses_labels = True
 

@@ -64,6 +64,8 @@ class FedFocal(LinearHead):
     name = "fed-focal"
     shardable = True  # no per-sample state: torchrun may shard its clients (engine.sharded_local)
     stacks = True  # per-run gamma (no fused kernel: the torch program)
+    dp_client = True  # DP-FedAvg (fedfeat.engine.privacy)
+    dp_sample = "head"  # DP-SGD: per-sample gradients as outer products (LinearHead.dp_clipped_sums)
     Params = FedFocalParams
 
     def sample_loss(self, ctx: Context, z: torch.Tensor, y: torch.Tensor, local: dict) -> torch.Tensor:

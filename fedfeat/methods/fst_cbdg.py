@@ -178,6 +178,7 @@ class FSTCBDG(LinearHead):
     }
     uses_labels = False
     stacks = True  # per-run soft labels [R, N, K] and synthetic draws
+    dp_client = True  # DP-FedAvg: clients upload their heads only (soft labels stay on the client)
 
     # ------------------------------------------------------------------ state
     def setup(self, ctx: Context) -> None:

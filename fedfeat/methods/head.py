@@ -135,6 +135,23 @@ class LinearHead(Method):
     def fused_loss(self):
         return 0, 0.0, 1.0, 0.0  # (mode, mu, tau, beta): kernels.CE
 
+    def dp_clipped_sums(self, ctx: Context, params: dict, batch: Batch, local: dict, clip: float):
+        """Sample-level DP (``dp_sample = "head"``): the gradient of sample ``i``'s ``sample_loss`` is
+        ``s g_i (x) [x_i, 1]`` (``g_i``: its loss's gradient w.r.t. its logits ``z_i = s (W x_i + b)``), of norm
+        ``s ||g_i|| sqrt(||x_i||^2 + 1)``; the clipped sum over a client's batch is one ``bmm``."""
+        from fedfeat.engine.privacy import clip_factors
+
+        s, x = self.p.logit_scale, batch.x
+        with torch.enable_grad():
+            z = self.logits({k: v.detach() for k, v in params.items()}, x).detach().requires_grad_(True)
+            per = self.sample_loss(ctx, z, batch.y, local)  # [n, B]
+            (g,) = torch.autograd.grad((per * batch.mask.to(per.dtype)).sum(), z)  # [n, B, K]
+        g = g * batch.mask.unsqueeze(-1).to(g.dtype)
+        norms = s * g.double().norm(dim=-1) * torch.sqrt(x.double().pow(2).sum(-1) + 1)  # [n, B]
+        gs = g * (s * clip_factors(norms, clip)).to(g.dtype).unsqueeze(-1)
+        sums = {"W": torch.bmm(gs.transpose(1, 2), x), "b": gs.sum(1)}
+        return masked_mean(per.detach(), batch.mask), sums
+
 
 __all__ = ["LinearHead", "LinearHeadParams", "batched_linear"]
 

@@ -25,6 +25,8 @@ class FedAvg(LinearHead):
     name = "fedavg"
     shardable = True  # no per-sample state: torchrun may shard its clients (engine.sharded_local)
     stacks = True
+    dp_client = True  # DP-FedAvg (fedfeat.engine.privacy)
+    dp_sample = "head"  # DP-SGD: per-sample gradients as outer products (LinearHead.dp_clipped_sums)
 
 
 @register
@@ -53,15 +55,22 @@ class FedProx(LinearHead):
     name = "fedprox"
     shardable = True
     stacks = True  # + (mu / 2) ||theta - theta_g||^2, per-run mu
+    dp_client = True  # DP-FedAvg (fedfeat.engine.privacy)
+    dp_sample = (
+        "head"  # DP-SGD: per-sample gradients as outer products, the proximal term exact (dp_regularizer)
+    )
     Params = FedProxParams
 
     def local_begin(self, ctx, plan, glob):
         return {"glob": glob}
 
     def step_loss(self, ctx, params, batch, local):
+        return self.ce(params, batch)[0] + self.dp_regularizer(ctx, params, local)
+
+    def dp_regularizer(self, ctx, params, local):
         g = local["glob"]
         prox = sum(((params[k] - g[k]) ** 2).flatten(1).sum(1) for k in params)  # [n]
-        return self.ce(params, batch)[0] + 0.5 * self.p.mu * prox
+        return 0.5 * self.p.mu * prox
 
     def fused_loss(self):
         return 0, self.p.mu, 1.0, 0.0  # kernels.CE with the proximal term
@@ -107,6 +116,8 @@ class FedAvgM(FedAvg):
     }
     shardable = True
     stacks = True  # server momentum: its server_update, per run
+    dp_client = True  # DP-FedAvg (fedfeat.engine.privacy)
+    dp_sample = "head"  # DP-SGD: per-sample gradients as outer products (LinearHead.dp_clipped_sums)
     Params = FedAvgMParams
 
     def setup(self, ctx):
@@ -160,6 +171,7 @@ class FedNTD(LinearHead):
     name = "fedntd"
     shardable = True
     stacks = True  # per-run tau, beta
+    dp_client = True  # DP-FedAvg (fedfeat.engine.privacy)
     Params = FedNTDParams
 
     def local_begin(self, ctx, plan, glob):

@@ -103,6 +103,8 @@ class PromptFL(PromptMethod):
 
     name = "promptfl"
     shardable = True  # torchrun may shard its clients (pseudo-labels are fixed at set-up on every rank)
+    dp_client = True  # DP-FedAvg of the contexts (fedfeat.engine.privacy)
+    dp_sample = "text"  # DP-SGD through the text tower (dp_clipped_sums; true labels only)
     Params = PromptFLParams
     uses_labels = True
 
@@ -145,6 +147,54 @@ class PromptFL(PromptMethod):
 
     def round_metrics(self, ctx: Context, data, glob: dict, ev: dict) -> dict:
         return pseudo_metrics(ctx, data, self.pseudo)
+
+    def dp_clipped_sums(self, ctx: Context, params: dict, batch: Batch, local: dict, clip: float):
+        """Sample-level DP (``dp_sample = "text"``): the loss reaches the context only through the class text
+        features ``t  # [n, K, D]``, so sample ``i``'s gradient is ``J^T (s g_i (x) x_i)`` (``g_i``: its CE's gradient
+        w.r.t. its logits, ``J = dt / dctx``). Its norms: one batched vector-Jacobian product per ``vjp_chunk``
+        samples (``is_grads_batched``); the clipped sum: one ordinary backward pass with the clipped cotangent."""
+        from fedfeat.engine.privacy import clip_factors
+
+        if self.pseudo != "none":
+            raise FedfeatError(
+                f"--dp sample needs the true labels' per-sample loss; {self.name} pseudo={self.pseudo} is not "
+                "supported (drop --set pseudo, or use --dp client)"
+            )
+        n, B = batch.x.shape[:2]
+        s = ctx.clip_logit_scale
+        chunk = max(1, int(ctx.dp.vjp_chunk))
+        with torch.enable_grad():
+            leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+            t = self.text_features(ctx, leaves)  # [n, K, D]
+            tt = t.detach().to(batch.x.dtype).requires_grad_(True)
+            z = s * torch.bmm(batch.x, tt.transpose(1, 2))  # [n, B, K]
+            if self.novel is not None:  # open vocabulary: CE over the base classes
+                z = z.masked_fill(self.novel, float("-inf"))
+            K = z.shape[-1]
+            per = F.cross_entropy(z.reshape(n * B, K), batch.y.reshape(-1), reduction="none").view(n, B)
+            (g,) = torch.autograd.grad((per * batch.mask.to(per.dtype)).sum(), z)  # [n, B, K]
+            g = (g * batch.mask.unsqueeze(-1).to(g.dtype)).to(t.dtype)
+            x = batch.x.to(t.dtype)
+            names = list(leaves)
+            norms = torch.zeros(n, B, dtype=torch.float64, device=g.device)
+            for a in range(0, B, chunk):
+                cot = s * g[:, a : a + chunk, :, None] * x[:, a : a + chunk, None, :]  # [n, b, K, D]
+                per_grads = torch.autograd.grad(
+                    t,
+                    [leaves[k] for k in names],
+                    cot.transpose(0, 1),
+                    retain_graph=True,
+                    is_grads_batched=True,
+                )  # each [b, n, ...]
+                norms[:, a : a + chunk] = torch.sqrt(
+                    sum(v.double().flatten(2).pow(2).sum(-1) for v in per_grads)
+                ).T
+            f = clip_factors(norms, clip).to(g.dtype)  # [n, B]
+            cot = s * torch.bmm(
+                (g * f.unsqueeze(-1)).transpose(1, 2), x
+            )  # [n, K, D]: sum_i f_i s g_i (x) x_i
+            sums = dict(zip(names, torch.autograd.grad(t, [leaves[k] for k in names], cot)))
+        return masked_mean(per.detach(), batch.mask), sums
 
 
 # ---------------------------------------------------------------------------------------- FedTPG
@@ -368,6 +418,7 @@ class FedTPG(PromptFL):
     """FedTPG (Qiu et al. 2024): a text-driven prompt generator shared by all clients, FedAvg of the generator."""
 
     name = "fedtpg"
+    dp_client = True  # DP-FedAvg of the prompt generator
     state_keys = {  # optimizer_state="per-client"
         CLIENT_MOMENTUM: "per-client: {name: [C, *param shape]} each client's SGD momentum buffers",
         CLIENT_ROUNDS: "per-client: [C] int64 rounds each client has run (its scheduler's step)",

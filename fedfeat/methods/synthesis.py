@@ -87,6 +87,7 @@ import torch.nn.functional as F
 
 from fedfeat.engine import rng
 from fedfeat.engine.context import Context, RoundPlan, masked_mean
+from fedfeat.engine.privacy import clip_factors
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import register
 from fedfeat.methods.head import LinearHead, LinearHeadParams
@@ -289,6 +290,30 @@ def class_gradient_sums(
     return gW, gb
 
 
+def client_gradient_norms(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    w: torch.Tensor,
+    slot: torch.Tensor,
+    m: int,
+    W: torch.Tensor,
+    b: torch.Tensor,
+) -> torch.Tensor:
+    """``[m]`` L2 norm of each client's whole gradient upload: its per-class sums ``sum_i w_i dCE(x_i)/d(W, b)`` over
+    every class it holds (``class_gradient_sums`` per client), without forming them: the squared norm of a class's
+    sum is ``sum_{i,j} (g_i . g_j)(x_i . x_j + 1)`` over its items (``g_i = w_i (softmax_i - onehot_i)``), one Gram
+    product per class. ``slot  # [M]``: each item's client (0..m-1)."""
+    K = W.shape[0]
+    G = (torch.softmax(x @ W.T + b, -1) - F.one_hot(y, K).to(x.dtype)) * w.to(x.dtype).unsqueeze(1)  # [M, K]
+    sq = torch.zeros(m, dtype=torch.float64, device=x.device)
+    for c in torch.unique(y).tolist():
+        idx = torch.nonzero(y == c).squeeze(1)
+        g, xc, sc = G[idx].double(), x[idx].double(), slot[idx]
+        A = (g @ g.T) * (xc @ xc.T + 1) * (sc.unsqueeze(0) == sc.unsqueeze(1))  # [Mc, Mc] within a client
+        sq.index_add_(0, sc, A.sum(1))
+    return torch.sqrt(sq.clamp_min(0))
+
+
 def retrain_head(
     x: torch.Tensor,
     y: torch.Tensor,
@@ -424,10 +449,16 @@ class CReFF(LinearHead):
     Params = CReFFParams
     uses_labels = True
     stacks = True  # the local step only; the feature synthesis and classifier re-training per run
+    dp_client = True  # DP-FedAvg: the head's update and the class-gradient upload, each clipped and noised
 
     # ------------------------------------------------------------------ server state
     def setup(self, ctx: Context) -> None:
         p, K, D, dt = self.p, ctx.K, ctx.D, ctx.feats.dtype
+        if ctx.dp is not None and ctx.dp.clip == "adaptive":
+            raise FedfeatError(
+                f"{self.name}: --dp-clip adaptive tracks the head updates' norms only, not the class gradients this "
+                "method also uploads; use --dp-clip fixed"
+            )
         g = rng.generator(ctx.seed, 0, TAG_FEAT_INIT)
         V = torch.randn(K * p.num_features, D, generator=g).to(dt)  # [K*m, D]
         if p.feature_scale == "unit":
@@ -464,7 +495,12 @@ class CReFF(LinearHead):
         sel = torch.nonzero(w > 0).squeeze(1)
         xs = ctx.feats[pos[sel].to(dev)]  # [Ms, D]
         head = ctx.state["head"]
-        gW, gb = class_gradient_sums(xs, y[sel.to(dev)], w[sel].to(dev), head["W"], head["b"])
+        ws = w[sel].to(dev)
+        if ctx.dp is not None:  # DP-FedAvg: each client's gradient upload clipped to C as a whole (dp_parts)
+            slot = seg[sel].to(dev)
+            norms = client_gradient_norms(xs, y[sel.to(dev)], ws, slot, plan.m, head["W"], head["b"])
+            ws = ws * clip_factors(norms, float(ctx.state["dp"]["clip"])).to(ws.dtype)[slot]
+        gW, gb = class_gradient_sums(xs, y[sel.to(dev)], ws, head["W"], head["b"])
         holders = torch.bincount(torch.unique(group) % K, minlength=K)  # [K] clients holding each class
         agg = ctx.state["agg"]
         if agg is None or agg["rnd"] != plan.rnd:  # first call this round (loop engine: one per client)
@@ -486,12 +522,21 @@ class CReFF(LinearHead):
         """Extra loss on the federated features ``[K*m, D]`` during matching (CLIP2FL: eta * PCL)."""
         return None
 
+    def dp_parts(self) -> int:
+        return 2  # the head's update and the class gradients, each clipped to C
+
     def server_update(self, ctx: Context, plan: RoundPlan, old: dict, new: dict) -> dict:
         p, st = self.p, ctx.state
         K, D, m = ctx.K, ctx.D, p.num_features
         agg = st["agg"]
         present = agg["count"] > 0  # [K]
         cnt = agg["count"].clamp_min(1).to(agg["gW"].dtype).to(ctx.device)
+        if (
+            ctx.dp is not None
+        ):  # DP: noised sums over the sampled clients; which client holds what stays private
+            agg = self._noised(ctx, plan, agg)
+            present = torch.ones_like(present)
+            cnt = torch.full_like(cnt, max(plan.m, 1))
         gW_real = agg["gW"] / cnt.view(K, 1, 1)  # [K, K, D] uniform mean over the clients holding c (Eq. 4)
         gb_real = agg["gb"] / cnt.view(K, 1)
         t0 = time.perf_counter()
@@ -536,6 +581,21 @@ class CReFF(LinearHead):
         st["agg"] = None
         st["uploads"] = agg["uploads"]
         return new
+
+    def _noised(self, ctx: Context, plan: RoundPlan, agg: dict) -> dict:
+        """DP-FedAvg of the gradient uploads (``fedfeat.engine.privacy``): the clipped per-class sums plus
+        ``N(0, (z sqrt(2) C)^2)`` per coordinate (the upload is the round's second clipped part), divided by the
+        sampled clients (not by the clients holding a class, a count that would be released)."""
+        from fedfeat.engine.privacy import TAG_DP_UPLOAD, add_noise
+
+        dp = ctx.dp
+        z, _ = dp.update_multiplier(max(plan.m, 1))
+        std = z * math.sqrt(self.dp_parts()) * float(ctx.state["dp"]["clip"])
+        key = rng.stream_key(ctx.seed, plan.rnd, TAG_DP_UPLOAD)
+        noisy = add_noise(
+            {"gW": agg["gW"].unsqueeze(0), "gb": agg["gb"].unsqueeze(0)}, std, key, torch.zeros(1)
+        )
+        return {**agg, "gW": noisy["gW"][0], "gb": noisy["gb"][0]}
 
     def upload_bytes(self, ctx: Context, plan: RoundPlan, cparams: dict) -> int:
         """The heads plus one ``[K, D] + [K]`` gradient per (client, class held)."""
@@ -597,6 +657,7 @@ class CLIP2FL(CReFF):
     }
     Params = CLIP2FLParams
     stacks = True  # CReFF's + CLIP distillation in the local loss, per-run kd_alpha / kd_temperature
+    dp_client = True  # CReFF's: the head's update and the class-gradient upload, each clipped and noised
 
     def setup(self, ctx: Context) -> None:
         super().setup(ctx)

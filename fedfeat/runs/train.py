@@ -77,6 +77,7 @@ def uses_partition(cfg: RunConfig, method) -> bool:
         return True
     return (
         cfg.partition == "disjoint-classes"
+        or bool(cfg.base_novel)  # base-to-novel: base / novel vocabularies (zeroshot scores each over its own)
         or cfg.local_test not in (None, "none")
         or cfg.imbalance_factor is not None
     )
@@ -112,6 +113,16 @@ def _run_identity(cfg: RunConfig, method_params: dict, store, key: str) -> dict:
     run = identity(cfg)
     return {"run": run, "params": method_params, "store_fingerprint": store.attrs.get("fingerprint_hash"),
             "partition": key}  # fmt: skip
+
+
+def dp_config(cfg: RunConfig, method=None):
+    """The run's ``fedfeat.engine.privacy.DPConfig`` (``privacy.from_config``), checked against the method."""
+    from fedfeat.engine.privacy import check_method, from_config
+
+    dp = from_config(cfg)
+    if method is not None:
+        check_method(method, dp)
+    return dp
 
 
 def _resume_target(path: str | Path) -> tuple[Path, str]:
@@ -181,7 +192,16 @@ def train(
     device = _device if _device is not None else resolve_device(cfg.device)
     if _stacked is None:  # a stacked run's peak is its stack's: reset once by train_stacked
         reset_device_peak(device)
-    kernel = resolve_kernel(cfg.kernel, method, cfg.engine, device)  # before anything is written
+    dp = dp_config(cfg, method)  # before anything is written
+    if dp is not None and dp.mode == "client":
+        from fedfeat.engine.privacy import check_delta
+
+        check_delta(dp, cfg.clients)
+    if dp is not None and dp.clip == "adaptive" and dp.noise_multiplier is not None:
+        dp.update_multiplier(max(1, int(cfg.participation * cfg.clients)))
+    if dp is not None and dp.mode == "sample" and cfg.kernel == "fused":
+        raise FedfeatError("--dp sample clips per-sample gradients in the torch program; use --kernel torch (or auto)")
+    kernel = "torch" if dp is not None and dp.mode == "sample" else resolve_kernel(cfg.kernel, method, cfg.engine, device)
     store = open_store(cfg)
     key, part, stored = method_partition(store, cfg, method, save_partition)
     name = cfg.name or default_run_name(cfg, method_params, method_defaults, store.attrs, key)
@@ -242,8 +262,8 @@ def _train_sharded(cfg, method, resume, overwrite, checkpoint_every, save_partit
         data.live = live_text(store, cfg, device)
     centralized = method.centralized
     run_federated(method, data, rounds=cfg.rounds, participation=1.0 if centralized else cfg.participation,
-                  seed=cfg.seed,
-                  engine=cfg.engine, kernel=kernel, device=device, eval_every=cfg.eval_every)  # fmt: skip
+                  seed=cfg.seed, engine=cfg.engine, kernel=kernel, device=device, eval_every=cfg.eval_every,
+                  dp=dp_config(cfg, method))  # fmt: skip
     dist_ctx.barrier()
     return run_name(cfg)
 
@@ -374,6 +394,7 @@ def _train_locked(
                         checkpoint_every=checkpoint_every,
                         eval_every=cfg.eval_every,
                         resume=start,
+                        dp=dp_config(cfg),
                     )
         finally:
             rows.close()

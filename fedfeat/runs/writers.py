@@ -293,6 +293,32 @@ def _summary(cfg, method, method_params, kernel, device, key, name, metrics, wal
             "threads": current_threads(),  # torch's CPU threads and why (fedfeat.runs.threads)
         },
         "provenance": provenance(method),  # a plugin method: its module, package and version
+        **_privacy(cfg, metrics),
+    }
+
+
+def _privacy(cfg, metrics) -> dict:
+    """summary.json's ``dp``: the level, the epsilon spent at delta (the accountant's, after the last round), the
+    noise multiplier used (calibrated to a target epsilon when one was given) and the clipping."""
+    if getattr(cfg, "dp", None) is None:
+        return {}
+    from fedfeat.engine.privacy import from_config
+
+    dp = from_config(cfg)
+    rows = [r for r in metrics if "epsilon" in r]
+    last = rows[-1] if rows else {}
+    return {
+        "dp": {
+            "mode": dp.mode,
+            "epsilon": last.get("epsilon", 0.0),
+            "delta": dp.delta,
+            "target_epsilon": dp.epsilon,
+            "noise_multiplier": last.get("dp_noise_multiplier", dp.noise_multiplier),
+            "clip_norm": dp.clip_norm,
+            "clip": dp.clip,
+            "final_clip_norm": last.get("dp_clip", dp.clip_norm),
+            "accountant": dp.accountant,
+        }
     }
 
 

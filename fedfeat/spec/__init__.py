@@ -48,6 +48,7 @@ from fedfeat.spec.fields import (
     MethodSpec,
     OutputSpec,
     PartitionSpec,
+    PrivacySpec,
     RunConfig,
     RunSpec,
     from_spec,
@@ -57,7 +58,7 @@ from fedfeat.spec.fields import (
 
 __all__ = [
     "CACHES", "DEFAULTS", "FIELDS", "PARTS", "SWEEPABLE", "SWEEP_FIXED", "TYPES", "DataSpec", "EngineSpec", "Field",
-    "MethodSpec", "OutputSpec", "PartitionSpec", "RunConfig", "RunSpec", "cache_key", "drawn", "from_spec",
+    "MethodSpec", "OutputSpec", "PartitionSpec", "PrivacySpec", "RunConfig", "RunSpec", "cache_key", "drawn", "from_spec",
     "group_items", "hashed", "identity", "partition_args", "scheme_params", "setting", "stack_key", "to_spec",
     "unstack_reason", "validate",
 ]  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -395,6 +396,120 @@ class EngineSpec:
     )
 
 
+def _dp_only(mode: str | None = None):
+    """A DP setting's check: it means something only with ``--dp`` (``mode``: that level)."""
+
+    def check(v, s):
+        dp = getattr(getattr(s, "privacy", None), "dp", None)
+        if v is None or (dp is not None and mode in (None, dp)):
+            return None
+        return f"applies to --dp {mode or 'client|sample'} runs only; add --dp {mode or 'client'} or drop it"
+
+    return check
+
+
+def _above0(v, s):
+    return None if v is None or (math.isfinite(v) and v > 0) else f"must be > 0, got {v}"
+
+
+def _delta(v, s):
+    return (
+        None if v is None or (math.isfinite(v) and 0 < v < 1) else f"must be in (0, 1), got {v} (e.g. 1e-5)"
+    )
+
+
+def _dp_checks(*checks):
+    def check(v, s):
+        return next((c for c in (f(v, s) for f in checks) if c), None)
+
+    return check
+
+
+_DP = {"dp": "client", "noise_multiplier": 1.0}  # the stacking test's context: a DP run needs its noise
+
+
+@dataclass(frozen=True)
+class PrivacySpec:
+    """Differential privacy (``fedfeat.engine.privacy``, ``fedfeat.engine.accountant``): off unless ``dp`` is set."""
+
+    dp: str | None = setting(
+        None,
+        "Differential privacy: client (DP-FedAvg: each client's update clipped, the uniform mean noised at the "
+        "server) or sample (DP-SGD: each sample's gradient clipped, each step noised). Needs --epsilon or "
+        "--noise-multiplier; `fedfeat methods` says which methods have which level. Default: none.",
+        check=_choice(("client", "sample")),
+        unstack=lambda v: None if v is None else "differentially private runs are made one by one",
+        examples=("client", "sample"),
+        context={"noise_multiplier": 1.0},
+    )
+    epsilon: float | None = setting(
+        None,
+        "DP: the target epsilon of the whole run at --delta; the noise multiplier is calibrated to it by the "
+        "accountant (instead of --noise-multiplier).",
+        check=_dp_checks(_dp_only(), _above0),
+        examples=(8.0,),
+        context={"dp": "client"},
+    )
+    delta: float | None = setting(
+        None,
+        "DP: delta, below 1/N (N: clients at client level, training samples at sample level). Default 1e-5.",
+        check=_dp_checks(_dp_only(), _delta),
+        examples=(1e-6,),
+        context=_DP,
+    )
+    noise_multiplier: float | None = setting(
+        None,
+        "DP: the Gaussian noise's std over the clipping norm (instead of --epsilon).",
+        check=_dp_checks(_dp_only(), lambda v, s: None if v is None or v >= 0 else f"must be >= 0, got {v}"),
+        examples=(0.5,),
+        context={"dp": "client"},
+    )
+    clip_norm: float | None = setting(
+        None,
+        "DP: the clipping norm C (adaptive clipping: its start). Default 0.1 at client level (Flower's), 1.0 at "
+        "sample level (Opacus' examples).",
+        check=_dp_checks(_dp_only(), _above0),
+        examples=(0.5,),
+        context=_DP,
+    )
+    dp_clip: str | None = setting(
+        None,
+        "DP, client level: fixed (default) or adaptive clipping (Andrew et al. 2021: C follows the --dp-quantile "
+        "of the update norms, privately).",
+        check=_dp_checks(_dp_only("client"), _choice(("fixed", "adaptive"))),
+        examples=("adaptive",),
+        context={"dp": "client", "noise_multiplier": 0.1},
+    )
+    dp_quantile: float | None = setting(
+        None,
+        "DP, adaptive clipping: the quantile of the update norms C tracks. Default 0.5.",
+        check=_dp_checks(_dp_only("client"), _fraction),
+        examples=(0.8,),
+        context={"dp": "client", "noise_multiplier": 0.1, "dp_clip": "adaptive"},
+    )
+    dp_clip_lr: float | None = setting(
+        None,
+        "DP, adaptive clipping: the geometric step of C per round. Default 0.2.",
+        check=_dp_checks(_dp_only("client"), _above0),
+        examples=(0.5,),
+        context={"dp": "client", "noise_multiplier": 0.1, "dp_clip": "adaptive"},
+    )
+    dp_count_std: float | None = setting(
+        None,
+        "DP, adaptive clipping: the std of the noise on the unclipped count. Default: clients per round / 20.",
+        check=_dp_checks(_dp_only("client"), _above0),
+        examples=(1.0,),
+        context={"dp": "client", "noise_multiplier": 0.1, "dp_clip": "adaptive"},
+    )
+    dp_accountant: str | None = setting(
+        None,
+        "DP: the accountant (dp-accounting): rdp (Renyi DP, default) or pld (privacy loss distributions, tighter).",
+        check=_dp_checks(_dp_only(), _choice(("rdp", "pld"))),
+        examples=("pld",),
+        context=_DP,
+    )
+
+
 @dataclass(frozen=True)
 class MethodSpec:
     """The method and its hyperparameters (the method's own ``Params`` dataclass types them:
@@ -436,7 +551,7 @@ class OutputSpec:
 
 
 PARTS = {"data": DataSpec, "partition": PartitionSpec, "engine": EngineSpec, "method": MethodSpec,
-         "output": OutputSpec}  # fmt: skip
+         "output": OutputSpec, "privacy": PrivacySpec}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ flat view
@@ -529,6 +644,7 @@ class RunSpec:
     engine: EngineSpec
     method: MethodSpec
     output: OutputSpec
+    privacy: PrivacySpec
     params: tuple = ()  # sorted (key, value) pairs: hashable, frozen
 
 
