@@ -10,18 +10,19 @@ import typer
 
 
 def methods() -> None:
-    """List the registered methods, whether they read labels, what they run on, their kernels, defaults."""
+    """List the registered methods, whether they read labels, what they run on, their kernels, the differential
+    privacy levels they have (--dp client / sample), defaults."""
     from rich.console import Console
     from rich.table import Table
 
     from fedfeat.methods import method_table
 
     t = Table(title="methods", show_lines=True)
-    for c in ("name", "labels", "runs on", "kernels", "what", "defaults (--set key=value)"):
+    for c in ("name", "labels", "runs on", "kernels", "--dp", "what", "defaults (--set key=value)"):
         t.add_column(c, overflow="fold")
     for r in method_table():
         d = " ".join(f"{k}={v}" for k, v in r["defaults"].items())
-        t.add_row(r["name"], r["labels"], r["runs_on"], r["kernels"], r["summary"], d)
+        t.add_row(r["name"], r["labels"], r["runs_on"], r["kernels"], r["dp"], r["summary"], d)
     Console(width=160).print(t)
 
 

@@ -59,12 +59,31 @@ def event(q: float, z: float, steps: int):
     return dpa.SelfComposedDpEvent(inner, int(steps))
 
 
+_RDP_STEP: dict = {}  # (q, z) -> (orders, the RDP of one step): RDP adds up over steps
+
+
+def _rdp_step(q: float, z: float):
+    if (q, z) not in _RDP_STEP:
+        acc = _accountant("rdp")
+        acc.compose(event(q, z, 1))
+        _RDP_STEP[(q, z)] = (acc._orders, acc._rdp)  # the accountant's own orders and curve
+        if len(_RDP_STEP) > 4096:
+            _RDP_STEP.pop(next(iter(_RDP_STEP)))
+    return _RDP_STEP[(q, z)]
+
+
 def epsilon(q: float, z: float, steps: int, delta: float, accountant: str = "rdp") -> float:
-    """Epsilon of ``event(q, z, steps)`` at ``delta`` (inf for ``z = 0``, 0 for no step)."""
+    """Epsilon of ``event(q, z, steps)`` at ``delta`` (inf for ``z = 0``, 0 for no step). RDP composes additively:
+    one step's curve is computed once per ``(q, z)`` and scaled (``rdp.compute_epsilon``, what ``get_epsilon`` does
+    with the composed curve), so the per-round epsilon of a run costs no new accounting."""
     if steps <= 0:
         return 0.0
     if z <= 0:
         return math.inf
+    if accountant == "rdp":
+        _, rdp, _ = _lib()
+        orders, curve = _rdp_step(q, z)
+        return float(rdp.rdp_privacy_accountant.compute_epsilon(orders, steps * curve, delta)[0])
     acc = _accountant(accountant)
     acc.compose(event(q, z, steps))
     return float(acc.get_epsilon(delta))

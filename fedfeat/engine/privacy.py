@@ -270,12 +270,12 @@ def check_method(method, dp: DPConfig | None) -> None:
     if dp.mode == "client" and not method.dp_client:
         raise FedfeatError(
             f"method {method.name} has no client-level DP: its server step is not an average of client updates "
-            "(or its clients upload more than their update); the methods that have it: fedfeat methods --dp client"
+            "(or its clients upload more than it can clip); `fedfeat methods` lists each method's --dp levels"
         )
     if dp.mode == "sample" and not method.dp_sample:
         raise FedfeatError(
             f"method {method.name} has no sample-level DP (no per-sample gradients of its local loss, or it "
-            "releases per-sample statistics besides its update); try --dp client, or see fedfeat methods --dp sample"
+            "releases per-sample statistics besides its update); try --dp client (`fedfeat methods` lists the levels)"
         )
 
 

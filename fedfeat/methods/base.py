@@ -368,6 +368,7 @@ def method_table() -> list[dict]:
                 "runs_on": caps["runs_on"],
                 "kernels": "fused (CPU), torch" if cls(cls.Params()).has_fused() else "torch",
                 "stacks": "yes" if caps["stacks"] else "no",
+                "dp": ", ".join(["client"] * caps["dp_client"] + ["sample"] * bool(caps["dp_sample"])) or "-",
                 "defaults": dataclasses.asdict(cls.Params()),
                 "capabilities": caps,
             }
