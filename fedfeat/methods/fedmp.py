@@ -215,6 +215,7 @@ class FedCLIP(Method):
 
     name = "fedclip"
     shardable = True  # torchrun may shard its clients
+    dp_client = True  # DP-FedAvg: the server step runs on the noised mean of the clipped updates
     no_stack_reason = (
         "an adapter MLP, not a {W, b} head; its hooks read hyperparameters as scalars (self.p), so stacking would "
         "need per-client hyperparameter tensors in fedmp.py"

@@ -174,6 +174,8 @@ class FedAdagrad(ServerOpt):
     name = "fedadagrad"
     shardable = True  # no per-sample state: torchrun may shard its clients (engine.sharded_local)
     stacks = True  # FedAvg's round; the server step per run
+    dp_client = True  # DP-FedAvg: the server step runs on the noised mean of the clipped updates
+    dp_sample = "head"  # DP-SGD in the local steps (LinearHead.dp_clipped_sums)
     Params = FedAdagradParams
 
     def second_moment(self, v, d2):
@@ -187,6 +189,8 @@ class FedAdam(ServerOpt):
     name = "fedadam"
     shardable = True
     stacks = True
+    dp_client = True  # DP-FedAvg: the server step runs on the noised mean of the clipped updates
+    dp_sample = "head"
     Params = FedAdamParams
 
     def second_moment(self, v, d2):
@@ -207,6 +211,8 @@ class FedYogi(ServerOpt):
     name = "fedyogi"
     shardable = True
     stacks = True
+    dp_client = True  # DP-FedAvg: the server step runs on the noised mean of the clipped updates
+    dp_sample = "head"
     Params = FedYogiParams
 
     def second_moment(self, v, d2):

@@ -66,6 +66,8 @@ class FedAvgTauNorm(LinearHead):
     name = "fedavg-tau-norm"
     shardable = True  # no per-sample state: torchrun may shard its clients (engine.sharded_local)
     stacks = True  # FedAvg's training; the tau-normalised head evaluated per run (its predict)
+    dp_client = True  # DP-FedAvg: the server step runs on the noised mean of the clipped updates
+    dp_sample = "head"
     Params = TauNormParams
 
     def normalized(self, glob: dict) -> dict[str, torch.Tensor]:
