@@ -17,7 +17,7 @@ from fedfeat.encoders.live import load_live_text
 from fedfeat.encoders.prompt import PromptLearner, TextTower
 from fedfeat.engine.data import load_run_data
 from fedfeat.engine.rounds import run_federated
-from fedfeat.methods import get_method
+from fedfeat.methods import REGISTRY, get_method
 from fedfeat.partition.make import make_partition
 from fedfeat.store.featurestore import FeatureStore
 
@@ -152,17 +152,34 @@ def store(tc, tmp_path_factory):
     c10 = write_cifar10(root / "cifar-10-batches-py", n_train=120, n_test=30)
     out = tmp_path_factory.mktemp("cache")
     args = ["encode", "--dataset", "cifar10", "--root", c10.root, "--backbone", tc.config]
-    args += ["--pretrained", tc.weights, "--out", out, "--device", "cpu", "--templates", "cifar"]
+    args += ["--pretrained", tc.weights, "--out", out, "--device", "cpu", "--templates", "cifar", "--pixels"]
     r = run_cli(args)
     assert r.exit_code == 0, (r.output, r.exception)
     return out / "cifar10" / f"{TINY_NAME}-tiny.zarr"
 
 
-@pytest.mark.parametrize("name, sets", [("promptfl", FAST), ("fedtpg", {"batch_size": "8"})])
-def test_two_rounds_with_shared_prefix_equal_the_run_without(store, name, sets):
+# every text-prompt method that has the switch (its Params has ``shared_prefix``), found in the registry: a new one
+# is covered by itself; the settings below only make a method small enough for the tiny store
+PREFIX_METHODS = sorted(
+    n for n, c in REGISTRY.items() if "shared_prefix" in getattr(c.Params, "__dataclass_fields__", {})
+)
+SMALL = {"promptfl": FAST, "fedopt": {"n_ctx": "2", "batch_size": "8"}}
+
+
+def test_the_switch_reaches_the_text_prompt_methods():
+    assert {"promptfl", "fedtpg", "fedkgcoop", "fedpgp", "promptfolio", "pfedmoap"} <= set(PREFIX_METHODS)
+
+
+@pytest.mark.parametrize("name", PREFIX_METHODS)
+def test_two_rounds_with_shared_prefix_equal_the_run_without(store, name):
+    sets = SMALL.get(name, {"batch_size": "8", "n_ctx": "4"})
+    if "n_ctx" not in REGISTRY[name].Params.__dataclass_fields__:
+        sets = {k: v for k, v in sets.items() if k != "n_ctx"}
     st = FeatureStore.open(store)
-    part = make_partition(st.labels("train"), "dirichlet", clients=4, alpha=0.3, seed=3)
-    data = load_run_data(st, part)
+    part = make_partition(
+        st.labels("train"), "dirichlet-joint", clients=3, alpha=0.5, seed=3, test_labels=st.labels("test")
+    )
+    data = load_run_data(st, part, local_test="joint")
     data.live = load_live_text(st)
     runs = {}
     for flag in ("false", "true"):
