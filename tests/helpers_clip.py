@@ -438,6 +438,21 @@ def pixel_store(root: Path, n_train: int = 60, n_test: int = 20) -> Path:
     return root / "px" / "cifar10" / f"{TINY_NAME}-tiny.zarr"
 
 
+def tiny_encoded_store(
+    root: Path, n_train: int = 120, n_test: int = 30, templates: str = "cifar", pixels: bool = False, tc=None
+) -> Path:
+    """Fake CIFAR-10 (``n_train`` / ``n_test`` images) encoded under ``root`` by the tiny open_clip model (``tc``, or
+    one made there) through the real ``fedfeat encode``: the store the text-prompt tests train on (``pixels``: with
+    the model inputs kept, for the methods that re-encode images)."""
+    tc = tc or make_tiny_clip(root / "tiny")
+    fx = write_cifar10(root / "data" / "cifar-10-batches-py", n_train=n_train, n_test=n_test)
+    args = ["encode", "--dataset", "cifar10", "--root", fx.root, "--backbone", tc.config, "--pretrained", tc.weights,
+            "--out", root / "c", "--device", "cpu", "--templates", templates] + ["--pixels"] * pixels  # fmt: skip
+    r = run_cli(args)
+    assert r.exit_code == 0, (r.output, r.exception)
+    return root / "c" / "cifar10" / f"{TINY_NAME}-tiny.zarr"
+
+
 def feature_and_prompt_stores(root: Path) -> dict:
     """Two small stores under ``root``: ``feature``, a synthetic store (4 classes, D = 16), and ``prompt``, fake
     CIFAR-10 encoded by the tiny open_clip model with pixels (the prompt methods' live encoders read it)."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers_clip import TINY_NAME, make_tiny_clip, run_cli, write_cifar10
+from helpers_clip import run_cli, tiny_encoded_store
 
 from fedfeat.encoders.live import load_live_text
 from fedfeat.engine.context import Batch
@@ -26,15 +26,7 @@ from fedfeat.store.featurestore import FeatureStore
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    tc = make_tiny_clip(tmp_path_factory.mktemp("tinyclip"))
-    root = tmp_path_factory.mktemp("data")
-    c10 = write_cifar10(root / "cifar-10-batches-py", n_train=80, n_test=20)
-    out = tmp_path_factory.mktemp("cache")
-    args = ["encode", "--dataset", "cifar10", "--root", c10.root, "--backbone", tc.config]
-    args += ["--pretrained", tc.weights, "--out", out, "--device", "cpu", "--templates", "single"]
-    r = run_cli(args)
-    assert r.exit_code == 0, (r.output, r.exception)
-    return out / "cifar10" / f"{TINY_NAME}-tiny.zarr"
+    return tiny_encoded_store(tmp_path_factory.mktemp("data"), n_train=80, n_test=20, templates="single")
 
 
 @pytest.fixture(scope="module")

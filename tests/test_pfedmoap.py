@@ -12,13 +12,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from helpers_clip import (
-    TINY_NAME,
     grab_setups,
-    make_tiny_clip,
     personal_data,
     run_cli,
     same_personal_runs,
-    write_cifar10,
+    tiny_encoded_store,
 )
 
 from fedfeat.encoders.live import load_live_text
@@ -105,13 +103,7 @@ def code_forward(
 # ---------------------------------------------------------------------------------------- on the tiny store
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    d = tmp_path_factory.mktemp("moap")
-    tc = make_tiny_clip(d / "tiny")
-    fx = write_cifar10(d / "data" / "cifar-10-batches-py", n_train=120, n_test=40)
-    r = run_cli(["encode", "--dataset", "cifar10", "--root", fx.root, "--backbone", tc.config, "--pretrained",
-                 tc.weights, "--out", d / "c", "--device", "cpu", "--templates", "cifar"])  # fmt: skip
-    assert r.exit_code == 0, (r.output, r.exception)
-    return d / "c" / "cifar10" / f"{TINY_NAME}-tiny.zarr"
+    return tiny_encoded_store(tmp_path_factory.mktemp("moap"), n_test=40)
 
 
 @pytest.fixture(scope="module")

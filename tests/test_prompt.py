@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 import torch
 from helpers_clip import (
-    TINY_NAME,
     cli_error_text,
     make_tiny_clip,
     reference_model,
     reference_text_features,
     run_cli,
-    write_cifar10,
+    tiny_encoded_store,
 )
 
 from fedfeat.encoders.live import load_live_text
@@ -51,14 +50,7 @@ def tower(ref):
 
 @pytest.fixture(scope="module")
 def store(tc, tmp_path_factory):
-    root = tmp_path_factory.mktemp("data")
-    c10 = write_cifar10(root / "cifar-10-batches-py", n_train=120, n_test=30)
-    out = tmp_path_factory.mktemp("cache")
-    args = ["encode", "--dataset", "cifar10", "--root", c10.root, "--backbone", tc.config]
-    args += ["--pretrained", tc.weights, "--out", out, "--device", "cpu", "--templates", "cifar"]
-    r = run_cli(args)
-    assert r.exit_code == 0, (r.output, r.exception)
-    return out / "cifar10" / f"{TINY_NAME}-tiny.zarr"
+    return tiny_encoded_store(tmp_path_factory.mktemp("data"), tc=tc)
 
 
 def cos(a, b):

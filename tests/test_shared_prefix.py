@@ -11,7 +11,11 @@ import copy
 import numpy as np
 import pytest
 import torch
-from helpers_clip import TINY_NAME, make_tiny_clip, reference_model, run_cli, write_cifar10
+from helpers_clip import (
+    make_tiny_clip,
+    reference_model,
+    tiny_encoded_store,
+)
 
 from fedfeat.encoders.live import load_live_text
 from fedfeat.encoders.prompt import PromptLearner, TextTower
@@ -148,14 +152,7 @@ def test_random_vit_b32_text_tower_float64():
 # ------------------------------------------------------------------------------ training: promptfl, 2 rounds
 @pytest.fixture(scope="module")
 def store(tc, tmp_path_factory):
-    root = tmp_path_factory.mktemp("data")
-    c10 = write_cifar10(root / "cifar-10-batches-py", n_train=120, n_test=30)
-    out = tmp_path_factory.mktemp("cache")
-    args = ["encode", "--dataset", "cifar10", "--root", c10.root, "--backbone", tc.config]
-    args += ["--pretrained", tc.weights, "--out", out, "--device", "cpu", "--templates", "cifar", "--pixels"]
-    r = run_cli(args)
-    assert r.exit_code == 0, (r.output, r.exception)
-    return out / "cifar10" / f"{TINY_NAME}-tiny.zarr"
+    return tiny_encoded_store(tmp_path_factory.mktemp("data"), pixels=True, tc=tc)
 
 
 # every text-prompt method that has the switch (its Params has ``shared_prefix``), found in the registry: a new one
