@@ -120,9 +120,10 @@ ROW_ADDED = {"images", "trainable_params"}
 
 # settings and method parameters a version may predate, at the value that means what the older version did: a key
 # only the working tree's config.toml / summary params hold, at this value, is left out (issue 38: the base-to-novel
-# protocol's switch; fedclip / fed-mp's server weights, "size" as before)
+# protocol's switch; fedclip / fed-mp's server weights, "size" as before; issue 40: the prompt methods' shared-prefix
+# text tower, off as before)
 CONFIG_ADDED = {"base_novel": False}
-PARAMS_ADDED = {"aggregation": "size"}
+PARAMS_ADDED = {"aggregation": "size", "shared_prefix": False}
 
 
 def _same_config(fa: Path, fb: Path) -> bool:

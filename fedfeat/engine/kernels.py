@@ -896,3 +896,35 @@ def fst_epoch(
         bg[None], text, n_k, cids, np.full(1, key_order, np.uint64), np.full(1, key_sign, np.uint64), bank[None],
         one, hp[None], loss_out, bool(init), bool(one_epoch), workers,
     )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------- DP noise (engine.privacy)
+@cached(parallel=True)
+def _dp_normals(key, ids, half, out, workers):
+    """Rows ``out[r] = `` the standard normals of client ``ids[r]``: pair ``j`` from the uniforms of positions
+    ``ids[r] * 2 half + 2j`` and ``+ 2j + 1`` (53 bits each, in (0, 1]) by Box-Muller, ``r cos`` at ``j`` and ``r sin``
+    at ``half + j`` (where ``out`` is that wide)."""
+    m, numel = out.shape
+    per = (m + workers - 1) // workers
+    for th in nb.prange(workers):
+        for r in range(th * per, min(m, (th + 1) * per)):
+            base = ids[r] * 2 * half
+            for j in range(half):
+                u1 = ((_uniform_key(key, base + 2 * j) >> 9) + 1) * 1.1102230246251565e-16
+                u2 = ((_uniform_key(key, base + 2 * j + 1) >> 9) + 1) * 1.1102230246251565e-16
+                rad = np.sqrt(-2.0 * np.log(u1))
+                t = 6.283185307179586 * u2
+                out[r, j] = rad * np.cos(t)
+                if half + j < numel:
+                    out[r, half + j] = rad * np.sin(t)
+
+
+def dp_normals(key: int, ids: np.ndarray, numel: int, threads: int = 1) -> np.ndarray:
+    """``[len(ids), numel]`` float64 standard normals, a pure function of ``(key, id, coordinate)``
+    (``fedfeat.engine.privacy.gaussian``'s CPU path: one compiled pass, no temporaries)."""
+    out = np.empty((len(ids), numel), np.float64)
+    if out.size:
+        workers = max(1, min(int(threads), nb.config.NUMBA_NUM_THREADS, len(ids)))
+        nb.set_num_threads(workers)
+        _dp_normals(np.uint64(key), np.ascontiguousarray(ids, np.int64), (numel + 1) // 2, out, workers)
+    return out

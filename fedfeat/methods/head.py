@@ -147,7 +147,13 @@ class LinearHead(Method):
             per = self.sample_loss(ctx, z, batch.y, local)  # [n, B]
             (g,) = torch.autograd.grad((per * batch.mask.to(per.dtype)).sum(), z)  # [n, B, K]
         g = g * batch.mask.unsqueeze(-1).to(g.dtype)
-        norms = s * g.double().norm(dim=-1) * torch.sqrt(x.double().pow(2).sum(-1) + 1)  # [n, B]
+        if ctx is not None and batch.pos is not None:  # ||x_i||^2 of the run's fixed features, computed once
+            if "dp_sqnorm" not in ctx.cache:
+                ctx.cache["dp_sqnorm"] = ctx.feats.double().pow(2).sum(1)
+            sq = ctx.cache["dp_sqnorm"][batch.pos]
+        else:
+            sq = x.double().pow(2).sum(-1)
+        norms = s * g.double().norm(dim=-1) * torch.sqrt(sq + 1)  # [n, B]
         gs = g * (s * clip_factors(norms, clip)).to(g.dtype).unsqueeze(-1)
         sums = {"W": torch.bmm(gs.transpose(1, 2), x), "b": gs.sum(1)}
         return masked_mean(per.detach(), batch.mask), sums
