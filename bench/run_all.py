@@ -59,6 +59,7 @@ def main() -> None:
             "bench_canon.py",
             "bench_prefix.py",
             "bench_feed.py",
+            "bench_dp.py",
         ):
             path = ROOT / "bench" / script
             if path.exists():
