@@ -355,3 +355,22 @@ def test_bad_dp_settings_are_refused_in_one_line(stores, tmp_path, args, words):
 def test_fixed_point_check():
     with pytest.raises(FedfeatError, match="below 2"):
         privacy.DPConfig("client", 5.0, 0.1, clip="adaptive").update_multiplier(10)
+
+
+def test_report_shows_the_epsilon_spent(stores, tmp_path):
+    for seed in (0, 1):
+        r = run_cli(["train", "--store", stores["feature"], "--method", "fedavg", "--clients", "4", "--rounds", "2",
+                     "--seed", str(seed), "--dp", "client", "--epsilon", "3", "--delta", "1e-3", "--out", tmp_path,
+                     "--quiet"])  # fmt: skip
+        assert r.exit_code == 0, r.output
+    r = run_cli(["train", "--store", stores["feature"], "--method", "fedavg", "--clients", "4", "--rounds", "2",
+                 "--out", tmp_path, "--quiet"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    summaries = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("*/summary.json"))]
+    spent = [d["epsilon"] for d in summaries if "dp" in d]
+    assert len(spent) == 2 and all(0 < e <= 3 for e in spent)
+    text = run_cli(["report", str(tmp_path)]).output
+    assert "epsilon (delta)" in text and f"{spent[0]:.2f} (0.001)" in text
+    assert "| -" in text.split("epsilon (delta)")[1]  # the non-private run: "-"
+    seeds = run_cli(["report", str(tmp_path), "--seeds"]).output
+    assert "epsilon (DP)" in seeds and f"{sum(spent) / 2:.2f}" in seeds

@@ -142,6 +142,9 @@ def report(
     has_local = any(s.get("local_acc") is not None for s, _, _ in runs)
     if has_local:  # --local-test: the mean of per-client accuracies on local test splits (FedCoPL)
         cols += ["local acc", "worst-10% client acc"]  # the latter from results.npz's client_acc
+    has_dp = any(s.get("dp") for s, _, _ in runs)
+    if has_dp:  # --dp: the epsilon the run spent at its delta (summary.json dp; "-": not private)
+        cols += ["DP", "epsilon (delta)"]
     cols += ["s/round", "MB up"]
     # --memory: the peak RSS column always, the others where some run has them
     mem_keys = [
@@ -182,6 +185,9 @@ def report(
                 warn(f"warning: {e}; its worst-10% client accuracy is left out")
                 worst = None
             row += [_fmt(s.get("local_acc")), _fmt(worst)]
+        if has_dp:
+            d = s.get("dp") or {}
+            row += [d.get("mode", "-"), f"{d['epsilon']:.2f} ({d['delta']:g})" if d else "-"]
         row += [f"{s['seconds_per_round']:.3f}", f"{s['bytes_up'] / 1e6:.1f}"]
         row += ["-" if s.get(k) is None else f"{s[k] / 1e9:.2f}" for k in mem_keys]
         if fmt == "csv" and any(notes):
@@ -344,7 +350,8 @@ SEED_METRICS = {"final_acc": "final acc", "best_acc": "best acc (selected on tes
                 "test_acc_at_best_val": "test acc @ best val round", "novel_precision": "novel P",
                 "novel_recall": "novel R", "novel_f1": "novel F1", "base_acc": "base acc", "hm": "HM",
                 "many_acc": "many", "medium_acc": "medium", "few_acc": "few",
-                "pseudo_label_acc": "pseudo-label acc", "local_acc": "local acc"}  # fmt: skip
+                "pseudo_label_acc": "pseudo-label acc", "local_acc": "local acc",
+                "epsilon": "epsilon (DP)"}  # fmt: skip
 
 
 def _settings(runs: list, known: dict | None = None) -> list[dict]:

@@ -308,6 +308,7 @@ def _privacy(cfg, metrics) -> dict:
     rows = [r for r in metrics if "epsilon" in r]
     last = rows[-1] if rows else {}
     return {
+        "epsilon": last.get("epsilon", 0.0),  # flat, for report's columns and seed tables (dp.epsilon)
         "dp": {
             "mode": dp.mode,
             "epsilon": last.get("epsilon", 0.0),
