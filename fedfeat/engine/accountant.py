@@ -35,10 +35,26 @@ def _lib():
         raise FedfeatError(
             f"differential privacy needs the dp-accounting package ({e}); pip install dp-accounting"
         ) from None
-    logging.getLogger("absl").setLevel(
-        logging.ERROR
-    )  # its RDP orders that do not converge are dropped, loudly
+    # its RDP orders that do not converge are dropped, loudly
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    _unhook_absl_stream()
     return dp_accounting, rdp, pld
+
+
+def _unhook_absl_stream() -> None:
+    """absl (imported by dp-accounting) makes a logging handler that keeps ``sys.stderr`` as it was at import time,
+    and its ``close`` closes that stream unless it is the current ``sys.stderr``: a later ``logging.config.dictConfig``
+    (submitit's, at import) shuts every handler down and so closed a stream that had since been swapped out (a
+    test runner's capture, a ``CliRunner``'s). Pointing it at the process's own stderr, which it never closes, keeps
+    every other stream safe; the handler is not attached to any logger fedfeat uses."""
+    import sys
+
+    try:
+        from absl import logging as absl_logging
+
+        absl_logging.get_absl_handler().python_handler.stream = sys.__stderr__
+    except Exception:  # noqa: BLE001 -- another absl: nothing to protect
+        pass
 
 
 def _accountant(name: str):
