@@ -374,3 +374,20 @@ def test_report_shows_the_epsilon_spent(stores, tmp_path):
     assert "| -" in text.split("epsilon (delta)")[1]  # the non-private run: "-"
     seeds = run_cli(["report", str(tmp_path), "--seeds"]).output
     assert "epsilon (DP)" in seeds and f"{sum(spent) / 2:.2f}" in seeds
+
+
+def test_an_epsilon_sweep_is_one_stacked_program(stores, tmp_path):
+    """Client-level DP runs that differ in their privacy settings stack (the settings are per run): the sweep over
+    epsilon costs one program; each run equals itself made alone (``tests/test_spec_stacking.py`` checks that for
+    every setting's examples)."""
+    from fedfeat.runs.sweep import run_sweep
+
+    base = dict(method="fedavg", store=str(stores["feature"]), clients=4, participation=0.5, rounds=2,
+                kernel="torch", dp="client", delta=1e-3)  # fmt: skip
+    points = [({**base, "epsilon": e, "out": str(tmp_path)}, {}) for e in (8.0, 2.0)]
+    points.append(({**base, "dp": None, "delta": None, "out": str(tmp_path)}, {}))
+    made = run_sweep(points, stack=True, progress=False, log=lambda *a: None, failures=[])
+    summaries = [json.loads((p / "summary.json").read_text()) for p in made]
+    assert [s.get("stacked_runs") for s in summaries] == [3, 3, 3]
+    assert summaries[0]["epsilon"] <= 8.0 and summaries[1]["epsilon"] <= 2.0 and "epsilon" not in summaries[2]
+    assert summaries[0]["dp"]["noise_multiplier"] < summaries[1]["dp"]["noise_multiplier"]

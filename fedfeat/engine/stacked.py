@@ -113,6 +113,7 @@ def run_stacked_rounds(
     local: Callable | None = None,
     setup: Callable | None = None,
     plain_head: Callable | None = None,
+    dps: list | None = None,
 ) -> list:
     """``len(methods)`` runs (``methods[r]`` with ``seeds[r]``, ``participation[r]``) as one round program over
     one ``RunData``; returns per run ``(final weights, metric rows)`` as ``run_federated`` would, or the
@@ -121,9 +122,13 @@ def run_stacked_rounds(
     ``local(methods, ctxs, live, plans, globs, rnd, threads) -> (params, loss sums, step counts)`` per live run:
     the local update (default ``torch_local``); ``setup(methods, ctxs)`` runs after the methods' own ``setup``
     (e.g. to lay out per-sample state for a fused kernel); ``plain_head(method)``: its head is evaluated in the
-    one shared product."""
+    one shared product. ``dps``: per run a client-level ``privacy.DPConfig`` or None (as ``run_federated``'s ``dp``:
+    its clipping, noise and accounting are the run's own; sample-level DP runs are made one by one)."""
     local = torch_local if local is None else local
     R = len(methods)
+    dps = list(dps) if dps is not None else [None] * R
+    if any(d is not None and d.mode != "client" for d in dps):
+        raise FedfeatError("stacked runs take client-level DP only; sample-level DP runs are made one by one")
     ctx0 = build_context(data, methods[0], seeds[0], device)
     ctx0.threads = threads
     ctx0.test_xT()  # made once; each run's own cache starts with it (a method's cache, e.g. ratio-loss's seeded
@@ -132,11 +137,21 @@ def run_stacked_rounds(
         dataclasses.replace(ctx0, seed=int(s), state=state_for(m), cache=dict(ctx0.cache), rounds=rounds)
         for m, s in zip(methods, seeds)
     ]
+    accounting: list = [None] * R
+    for r, (m, c) in enumerate(zip(methods, ctxs)):  # each run's privacy as run_federated prepares it
+        if dps[r] is not None:
+            from fedfeat.engine import privacy
+
+            privacy.check_method(m, dps[r])
+            c.dp, accounting[r] = privacy.prepare(dps[r], c, m, participation[r], rounds)
     for m, c in zip(methods, ctxs):
         m.setup(c)
     if setup is not None:
         setup(methods, ctxs)
     globs = [m.init_global(c) for m, c in zip(methods, ctxs)]
+    for c in ctxs:
+        if c.dp is not None:
+            c.state["dp"] = {"clip": float(c.dp.clip_norm), "round": {}}
     results: list = [None] * R
     rows: list[list[dict]] = [[] for _ in range(R)]
     alive = [True] * R
@@ -160,7 +175,14 @@ def run_stacked_rounds(
             plans[r] = make_plan(c, rnd, m.sample(c, rnd, participation[r]), m.p.batch_size, m.p.local_epochs)
         cparams, loss_sum, loss_n = local(methods, ctxs, live, plans, globs, rnd, threads)
         for r in live:
-            new = methods[r].aggregate(ctxs[r], plans[r], globs[r], cparams[r])
+            if ctxs[r].dp is not None:  # DP-FedAvg: the run's own clipping, noise and clip state
+                from fedfeat.engine import privacy
+
+                new = privacy.client_aggregate(
+                    ctxs[r], plans[r], globs[r], cparams[r], parts=methods[r].dp_parts()
+                )
+            else:
+                new = methods[r].aggregate(ctxs[r], plans[r], globs[r], cparams[r])
             globs[r] = methods[r].server_update(ctxs[r], plans[r], globs[r], new)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -181,6 +203,12 @@ def run_stacked_rounds(
                 if methods[r].trains_clients
                 else 0,
             }
+            if accounting[r] is not None:  # as run_federated's rows
+                st = ctxs[r].state["dp"]
+                extra[r].update(
+                    {"epsilon": accounting[r](rnd), "dp_noise_multiplier": ctxs[r].dp.noise_multiplier,
+                     "dp_clip": float(st["clip"]), **st["round"]}
+                )  # fmt: skip
         record(rnd, list(extra), extra, t0)
     for r in range(R):
         if results[r] is None:

@@ -70,11 +70,13 @@ def run_stacked(
     eval_every: int = 1,
     on_round: Callable[[int, dict], None] | None = None,
     kernel: str = "auto",
+    dps: list | None = None,
 ) -> list[tuple[dict, list[dict]] | FedfeatError]:
     """Make ``len(methods)`` runs (``methods[r]`` with ``seeds[r]``) as one program; returns per run ``(final
     weights, metric rows)`` as ``engine.run_federated`` would, or the ``FedfeatError`` that stopped that run (a
     run whose weights became non-finite; the others go on). ``on_round(r, row)`` sees each run's rows.
-    ``kernel``: ``auto`` (the fused CPU kernels on a CPU, else torch), ``fused`` or ``torch``, as ``train``."""
+    ``kernel``: ``auto`` (the fused CPU kernels on a CPU, else torch), ``fused`` or ``torch``, as ``train``.
+    ``dps``: per run a client-level DP configuration or None (``engine.stacked.run_stacked_rounds``)."""
     R = len(methods)
     if R == 0:
         return []
@@ -99,7 +101,7 @@ def run_stacked(
         return run_stacked_rounds(
             methods, data, rounds=rounds, participation=parts, seeds=seeds, device=device, eval_every=eval_every,
             on_round=on_round, threads=threads, local=_local_fused if fused else None,
-            setup=_stack_soft_labels if fused else None, plain_head=_plain_head,
+            setup=_stack_soft_labels if fused else None, plain_head=_plain_head, dps=dps,
         )  # fmt: skip
     finally:
         torch.set_num_threads(threads)

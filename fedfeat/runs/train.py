@@ -496,7 +496,7 @@ def train_stacked(
     t0 = time.perf_counter()
     res = run_stacked(methods, data, rounds=cfg0.rounds, participation=[c.participation for c in cfgs],
                       seeds=[c.seed for c in cfgs], device=device, eval_every=cfg0.eval_every,
-                      kernel=cfg0.kernel)  # fmt: skip
+                      kernel=cfg0.kernel, dps=[dp_config(c, m) for c, m in zip(cfgs, methods)])  # fmt: skip
     share = (time.perf_counter() - t0) / len(cfgs)
     out = []
     for c, r, box in zip(cfgs, res, boxes):

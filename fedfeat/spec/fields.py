@@ -438,7 +438,8 @@ class PrivacySpec:
         "server) or sample (DP-SGD: each sample's gradient clipped, each step noised). Needs --epsilon or "
         "--noise-multiplier; `fedfeat methods` says which methods have which level. Default: none.",
         check=_choice(("client", "sample")),
-        unstack=lambda v: None if v is None else "differentially private runs are made one by one",
+        unstack=lambda v: "sample-level DP runs are made one by one" if v == "sample" else None,
+        per_run=True,
         examples=("client", "sample"),
         context={"noise_multiplier": 1.0},
     )
@@ -446,6 +447,7 @@ class PrivacySpec:
         None,
         "DP: the target epsilon of the whole run at --delta; the noise multiplier is calibrated to it by the "
         "accountant (instead of --noise-multiplier).",
+        per_run=True,
         check=_dp_checks(_dp_only(), _above0),
         examples=(8.0,),
         context={"dp": "client"},
@@ -453,6 +455,7 @@ class PrivacySpec:
     delta: float | None = setting(
         None,
         "DP: delta, below 1/N (N: clients at client level, training samples at sample level). Default 1e-5.",
+        per_run=True,
         check=_dp_checks(_dp_only(), _delta),
         examples=(1e-6,),
         context=_DP,
@@ -460,6 +463,7 @@ class PrivacySpec:
     noise_multiplier: float | None = setting(
         None,
         "DP: the Gaussian noise's std over the clipping norm (instead of --epsilon).",
+        per_run=True,
         check=_dp_checks(_dp_only(), lambda v, s: None if v is None or v >= 0 else f"must be >= 0, got {v}"),
         examples=(0.5,),
         context={"dp": "client"},
@@ -468,6 +472,7 @@ class PrivacySpec:
         None,
         "DP: the clipping norm C (adaptive clipping: its start). Default 0.1 at client level (Flower's), 1.0 at "
         "sample level (Opacus' examples).",
+        per_run=True,
         check=_dp_checks(_dp_only(), _above0),
         examples=(0.5,),
         context=_DP,
@@ -476,6 +481,7 @@ class PrivacySpec:
         None,
         "DP, client level: fixed (default) or adaptive clipping (Andrew et al. 2021: C follows the --dp-quantile "
         "of the update norms, privately).",
+        per_run=True,
         check=_dp_checks(_dp_only("client"), _choice(("fixed", "adaptive"))),
         examples=("adaptive",),
         context={"dp": "client", "noise_multiplier": 0.1},
@@ -483,6 +489,7 @@ class PrivacySpec:
     dp_quantile: float | None = setting(
         None,
         "DP, adaptive clipping: the quantile of the update norms C tracks. Default 0.5.",
+        per_run=True,
         check=_dp_checks(_dp_only("client"), _fraction),
         examples=(0.8,),
         context={"dp": "client", "noise_multiplier": 0.1, "dp_clip": "adaptive"},
@@ -490,6 +497,7 @@ class PrivacySpec:
     dp_clip_lr: float | None = setting(
         None,
         "DP, adaptive clipping: the geometric step of C per round. Default 0.2.",
+        per_run=True,
         check=_dp_checks(_dp_only("client"), _above0),
         examples=(0.5,),
         context={"dp": "client", "noise_multiplier": 0.1, "dp_clip": "adaptive"},
@@ -497,6 +505,7 @@ class PrivacySpec:
     dp_count_std: float | None = setting(
         None,
         "DP, adaptive clipping: the std of the noise on the unclipped count. Default: clients per round / 20.",
+        per_run=True,
         check=_dp_checks(_dp_only("client"), _above0),
         examples=(1.0,),
         context={"dp": "client", "noise_multiplier": 0.1, "dp_clip": "adaptive"},
@@ -504,6 +513,7 @@ class PrivacySpec:
     dp_accountant: str | None = setting(
         None,
         "DP: the accountant (dp-accounting): rdp (Renyi DP, default) or pld (privacy loss distributions, tighter).",
+        per_run=True,
         check=_dp_checks(_dp_only(), _choice(("rdp", "pld"))),
         examples=("pld",),
         context=_DP,
