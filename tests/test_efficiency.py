@@ -122,3 +122,23 @@ def test_fed_mp_table3_reads_the_caltech_runs_twice(tiny_mp, tmp_path, monkeypat
                      fmt="markdown", log=lambda *a: None)  # fmt: skip
     assert "| time/img (s) |" in md and "| trainable params. (%) |" in md and "(0.2783)" in md
     assert "note: time/img: ours trains on cached features" in md
+
+
+def test_fed_mp_counts_each_clients_own_residual_rows():
+    """Fed-MP trains the adapter and one residual row per class the client holds; its ``res`` tensor is padded to the
+    round's largest client, the count is not: the mean over the round's clients of the adapter + k_c x D. (The
+    disjoint-classes partition gives every client the same count, so no run here shows the difference: this is the
+    hook on clients of 3 and 1 classes.)"""
+    from types import SimpleNamespace
+
+    import torch
+
+    from fedfeat.engine.context import trainable_params
+    from fedfeat.methods import get_method
+
+    m = get_method("fed-mp")
+    ctx = SimpleNamespace(open_vocab=SimpleNamespace(client_classes=[[0, 1, 2], [3]]), D=16)
+    plan = SimpleNamespace(m=2, clients=torch.tensor([0, 1]))
+    cparams = {"w1": torch.zeros(2, 16, 16), "b1": torch.zeros(2, 16), "res": torch.zeros(2, 3, 16)}
+    assert m.trainable_count(ctx, plan, cparams) == 16 * 16 + 16 + 2 * 16  # (3 + 1) / 2 rows of 16
+    assert trainable_params(cparams, 2) == 16 * 16 + 16 + 3 * 16  # the padded count it replaces

@@ -54,7 +54,6 @@ from fedfeat.engine.context import (
     masked_mean,
     param_bytes,
     round_buffer,
-    trainable_params,
 )
 from fedfeat.engine.data import RunData, build_context, load_run_data
 from fedfeat.errors import FedfeatError
@@ -737,7 +736,7 @@ def _run(
                 "bytes_down": down,
                 "train_seconds": train_seconds,
                 "images": plan.images,
-                "trainable_params": trainable_params(cparams, plan.m) if method.trains_clients else 0,
+                "trainable_params": method.trainable_count(ctx, plan, cparams) if method.trains_clients else 0,
                 **(
                     {}
                     if accounting is None

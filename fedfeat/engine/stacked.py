@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from fedfeat.engine.context import make_plan, param_bytes, state_for, trainable_params
+from fedfeat.engine.context import make_plan, param_bytes, state_for
 from fedfeat.engine.data import RunData, build_context
 from fedfeat.engine.rounds import TorchLocal, check_finite, evaluate
 from fedfeat.errors import FedfeatError
@@ -199,7 +199,7 @@ def run_stacked_rounds(
                 "bytes_down": plans[r].m * param_bytes(methods[r].broadcast(ctxs[r], globs[r])),
                 "train_seconds": train_seconds,
                 "images": plans[r].images,
-                "trainable_params": trainable_params(cparams[r], plans[r].m)
+                "trainable_params": methods[r].trainable_count(ctxs[r], plans[r], cparams[r])
                 if methods[r].trains_clients
                 else 0,
             }

@@ -729,6 +729,14 @@ class Method:
         leaves). A method with ``dp_sample`` implements it; the engine adds the noise and ``dp_regularizer``."""
         raise NotImplementedError(f"method {self.name} has no per-sample gradients")
 
+    def trainable_count(self, ctx: Context, plan: RoundPlan, cparams: dict) -> int:
+        """summary.json's ``trainable_params``: the parameters one client trains (its slice of the round's client
+        parameters ``{name: [m, ...]}``: the global ones it starts from and its own); a method whose client tensors
+        are padded to the round's largest client says how many of them a client really trains."""
+        from fedfeat.engine.context import trainable_params
+
+        return trainable_params(cparams, plan.m)
+
     def dp_parts(self) -> int:
         """Client-level DP: how many separately clipped parts a client uploads (its update, and e.g. CReFF's class
         gradients); the noise on each is ``sqrt(parts)`` times one part's, so the round stays one Gaussian mechanism

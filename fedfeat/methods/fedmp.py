@@ -317,6 +317,15 @@ class FedMP(FedCLIP):
         u = torch.rand((rows, ctx.D), generator=g, dtype=torch.float64) * (2 * r) - r
         return u.to(device=ctx.device, dtype=ctx.text.dtype)
 
+    def trainable_count(self, ctx: Context, plan: RoundPlan, cparams: dict) -> int:
+        """The adapter plus a client's own residual rows: ``k_c x D`` for its ``k_c`` classes (``res`` is padded to
+        the largest client's class count), the mean over the round's clients, rounded."""
+        if not plan.m:
+            return 0
+        shared = sum(v[0].numel() for k, v in cparams.items() if k != "res")
+        ks = [len(ctx.open_vocab.client_classes[int(c)]) for c in plan.clients]
+        return int(shared + round(sum(ks) / len(ks) * ctx.D))
+
     def local_params(self, ctx: Context, plan: RoundPlan) -> dict[str, torch.Tensor]:
         """``res  # [m, Kc, D]``: the clients' residuals δ, fresh each round (never aggregated)."""
         Kc = max(len(c) for c in ctx.open_vocab.client_classes)
