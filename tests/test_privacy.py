@@ -374,6 +374,17 @@ def test_report_shows_the_epsilon_spent(stores, tmp_path):
     assert "| -" in text.split("epsilon (delta)")[1]  # the non-private run: "-"
     seeds = run_cli(["report", str(tmp_path), "--seeds"]).output
     assert "epsilon (DP)" in seeds and f"{sum(spent) / 2:.2f}" in seeds
+    # the privacy-utility figure: accuracy against the epsilon spent, the non-private run as the method's line
+    from fedfeat.report.tables import privacy_groups
+
+    (g,) = privacy_groups(summaries)
+    accs = [d["final_acc"] for d in summaries if "dp" in d]
+    assert g["points"] == [(pytest.approx(sum(spent) / 2), pytest.approx(sum(accs) / 2), pytest.approx(
+        float(np.std(accs, ddof=1))), 2)]  # fmt: skip
+    assert g["plain"] == next(d["final_acc"] for d in summaries if "dp" not in d)
+    fig = tmp_path.parent / f"{tmp_path.name}-privacy.png"
+    r = run_cli(["report", str(tmp_path), "--plot", str(fig), "--kind", "privacy"])
+    assert r.exit_code == 0 and fig.stat().st_size > 1000, r.output
 
 
 def test_an_epsilon_sweep_is_one_stacked_program(stores, tmp_path):

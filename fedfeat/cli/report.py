@@ -46,7 +46,9 @@ def report(
     ),
     kind: str = typer.Option(
         "curves",
-        help="--plot's figure: curves (--metric per round) or clients (each client's accuracy, sorted).",
+        help="--plot's figure: curves (--metric per round), clients (each client's accuracy, sorted) or privacy "
+        "(final accuracy against the epsilon spent, per method and DP level, mean ± std over seeds; the method's "
+        "non-private accuracy dotted).",
     ),
     metric: str = typer.Option(
         "test_acc",

@@ -736,7 +736,9 @@ def _run(
                 "bytes_down": down,
                 "train_seconds": train_seconds,
                 "images": plan.images,
-                "trainable_params": method.trainable_count(ctx, plan, cparams) if method.trains_clients else 0,
+                "trainable_params": method.trainable_count(ctx, plan, cparams)
+                if method.trains_clients
+                else 0,
                 **(
                     {}
                     if accounting is None

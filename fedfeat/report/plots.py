@@ -725,3 +725,41 @@ def plot_clients(
             _save(fig, path, tight=size is None, dpi=dpi)
         finally:
             plt.close(fig)
+
+
+def plot_privacy(groups: list[dict], path: str | Path, *, size: str | None = None, dpi: int = DPI) -> None:
+    """The privacy-utility figure (``fedfeat report --plot F --kind privacy``; ``report.tables.privacy_groups``): one
+    panel per partition, final accuracy against the epsilon each setting spent (log scale), a line per method and DP
+    level with ± std bars over seeds, and the method's non-private accuracy as a dotted line of its colour."""
+    _check_suffix(path)
+    plt = _plt()
+    if not groups:
+        raise FedfeatError("--kind privacy: no differentially private runs to draw")
+    with plt.rc_context(_print_rc(size)):
+        panels = list(dict.fromkeys(str(g["panel"]) for g in groups))
+        style = figure_styles([(g["label"], g["method"]) for g in groups])
+        fig, axes = plt.subplots(1, len(panels), figsize=_fig_size(size, 1, len(panels)), sharey=True,
+                                 squeeze=False, layout="constrained")  # fmt: skip
+        for j, panel in enumerate(panels):
+            ax = axes[0][j]
+            for k, g in enumerate(g for g in groups if str(g["panel"]) == panel):
+                st = style[g["label"]]
+                xs = [p[0] for p in g["points"]]
+                ys = [p[1] for p in g["points"]]
+                err = [p[2] or 0.0 for p in g["points"]]
+                n = max(p[3] for p in g["points"])
+                ax.errorbar(xs, ys, yerr=err if n > 1 else None, color=st["color"], ls="-", marker=st["marker"],
+                            ms=4, lw=_line_width(k, 1.6), capsize=2, label=f"{g['label']} (n={n})")  # fmt: skip
+                if g["plain"] is not None:
+                    ax.axhline(g["plain"], color=st["color"], ls=":", lw=1.0, label=f"{g['method']}, no DP")
+            ax.set_xscale("log")
+            ax.grid(alpha=0.3, which="both")
+            ax.set_xlabel("epsilon spent (log scale)")
+            if j == 0:
+                ax.set_ylabel("final test accuracy (%)")
+            _title(ax, _panel_title("partition", panel), fig, len(panels))
+        _one_legend(fig, [a for row in axes for a in row], force=True)
+        try:
+            _save(fig, path, tight=size is None, dpi=dpi)
+        finally:
+            plt.close(fig)

@@ -395,7 +395,7 @@ def _best_settings(runs: list, known: dict | None = None) -> tuple[list, str, st
     return kept, note, metric
 
 
-FIGURE_KINDS = ("curves", "clients")
+FIGURE_KINDS = ("curves", "clients", "privacy")
 
 
 def _curve_keys(runs) -> list[str]:
@@ -415,9 +415,13 @@ def _check_figure_args(runs, metric: str, size: str | None, kind: str) -> None:
     from fedfeat.report.plots import SIZES
 
     if kind not in FIGURE_KINDS:
-        raise FedfeatError(f"unknown --kind '{kind}'; choose {' or '.join(FIGURE_KINDS)}")
+        raise FedfeatError(f"unknown --kind '{kind}'; choose {', '.join(FIGURE_KINDS)}")
     if size is not None and size not in SIZES:
         raise FedfeatError(f"unknown --size '{size}'; choose one-column or two-column")
+    if kind == "privacy" and not any(r[0].get("dp") for r in runs):
+        raise FedfeatError(
+            "--kind privacy: no run is differentially private; train runs with --dp (and --epsilon)"
+        )
     if kind == "curves" and not any(row.get(metric) is not None for r in runs for row in r[1]):
         hint = " (final_acc / best_acc are the last / best point of test_acc's curve)" if metric in (
             "final_acc", "best_acc") else ""  # fmt: skip
@@ -489,6 +493,34 @@ def _zeroshot_reference(zs, others, metrics: list[str]) -> dict | None:
     return ref or None
 
 
+def privacy_groups(summaries: list[dict]) -> list[dict]:
+    """The privacy-utility figure's data: per (method, DP level, partition) the points ``(epsilon spent, final
+    accuracy mean, std, n)``, one per privacy setting (its target epsilon, else its noise multiplier), epsilon and
+    accuracy averaged over the setting's seeds, sorted by epsilon; ``plain``: the method's non-private final accuracy
+    on that partition (mean over its runs), or None."""
+    plain: dict[tuple, list[float]] = {}
+    pts: dict[tuple, dict] = {}
+    for s in summaries:
+        d = s.get("dp")
+        if not d:
+            plain.setdefault((s["method"], s["partition"]), []).append(s["final_acc"])
+            continue
+        setting = d.get("target_epsilon") or ("z", d.get("noise_multiplier"), d.get("clip_norm"))
+        g = pts.setdefault((s["method"], d["mode"], s["partition"]), {})
+        g.setdefault(repr(setting), []).append((s.get("epsilon", d.get("epsilon")), s["final_acc"]))
+    out = []
+    for (method, mode, part), settings in pts.items():
+        points = []
+        for vals in settings.values():
+            eps, acc = np.array([v[0] for v in vals], float), np.array([v[1] for v in vals], float)
+            std = float(acc.std(ddof=1)) if len(acc) > 1 else None
+            points.append((float(eps.mean()), float(acc.mean()), std, len(acc)))
+        base = plain.get((method, part))
+        out.append({"label": f"{method}, {mode}-level DP", "method": method, "panel": part,
+                    "points": sorted(points), "plain": float(np.mean(base)) if base else None})  # fmt: skip
+    return out
+
+
 def seed_figure(
     runs: list[tuple],
     path: Path,
@@ -522,6 +554,11 @@ def seed_figure(
     for r, label in zip(others, figure_labels(others, known)):
         items = tuple((k, repr(v)) for k, v in _settings([r], known)[0].items())
         grouped.setdefault((label, r[0]["partition"], items), []).append(r)
+    if kind == "privacy":
+        from fedfeat.report.plots import plot_privacy
+
+        plot_privacy(privacy_groups([r[0] for r in others]), path, size=size, dpi=dpi)
+        return
     if kind == "clients":
         from fedfeat.report.load import load_results
 
@@ -599,6 +636,16 @@ def figure_labels(runs: list, known: dict | None = None) -> list[str]:
     return out
 
 
+DP_SHOWN = (
+    "dp",
+    "epsilon",
+    "noise_multiplier",
+    "clip_norm",
+    "dp_clip",
+    "delta",
+)  # in a seed group's settings
+
+
 def seed_groups(summaries: list[dict], settings: list[dict] | None = None) -> list[dict]:
     """Runs grouped by everything but the seed, each with every metric's mean, sample standard deviation (n - 1;
     None for one run) and n (the measured memory in bytes among them, ``MEMORY_KEYS``), and ``diverged``: the
@@ -611,7 +658,11 @@ def seed_groups(summaries: list[dict], settings: list[dict] | None = None) -> li
     settings = settings if settings is not None else [run_settings(s) for s in summaries]
     groups: dict[tuple, list[dict]] = {}
     for s, items in zip(summaries, settings):
-        changed = " ".join(f"{k}={v}" for k, v in changed_params(s["method"], s["params"]).items()) or "-"
+        changed = " ".join(f"{k}={v}" for k, v in changed_params(s["method"], s["params"]).items())
+        private = " ".join(f"{k}={items[k]}" for k in DP_SHOWN if items.get(k) is not None)
+        changed = (
+            " ".join(x for x in (changed, private) if x) or "-"
+        )  # the privacy settings too (seed groups)
         groups.setdefault(tuple((k, repr(v)) for k, v in items.items()), []).append((s, changed))
     metrics = [k for k in (*SEED_METRICS, *MEMORY_KEYS) if any(s.get(k) is not None for s in summaries)]
     out = []
