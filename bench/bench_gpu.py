@@ -49,6 +49,9 @@ shorter budget, one torch thread on a CPU, the live stand-in's tiny CLIP (``fedf
   (``fedfeat.runs.standin.live_standin``: synthetic 32-px images encoded with ``--pixels`` by the tiny random ViT
   through the real ``encode``; built once under ``cache/bench-gpu``, 100 classes x 30 images, 10 clients).
 * g. A stacked sweep: part b (``run_stacked`` is the sweep's default path); no separate part.
+* h. Differential privacy (issue 41): fedavg s/round on the Dirichlet setting without DP, with client-level
+  DP-FedAvg and with sample-level DP-SGD, the torch program, the counter-based noise drawn on the device
+  (``fedfeat.engine.privacy.gaussian``'s torch path); the ratio to no DP.
 
 The header records the device, its NVIDIA driver (``nvidia-smi``), CUDA and torch versions. ``--parts`` picks the
 parts (letters; default ``abcef``). ``--budget`` (seconds from the start): the cells left once it is spent are
@@ -278,17 +281,38 @@ def load(path, scheme: str, dev: torch.device, clients: int, **kw):
     return data
 
 
-def run_one(method, sets, data, *, rounds, part, seed, engine, dev, kernel, on_round=None):
+def run_one(method, sets, data, *, rounds, part, seed, engine, dev, kernel, on_round=None, dp=None):
     from fedfeat.engine.rounds import run_federated
     from fedfeat.methods import get_method
 
     return run_federated(
         get_method(method, sets), data, rounds=rounds, participation=part, seed=seed, engine=engine, device=dev,
-        kernel=kernel, on_round=on_round,
+        kernel=kernel, on_round=on_round, dp=dp,
     )  # fmt: skip
 
 
-def cell(method, sets, data, *, part, engine, rounds, dev, kernel, cap) -> dict:
+def part_h(args, dev, data, budget) -> list[str]:
+    """h. Differential privacy's cost on the device: fedavg s/round without DP, with client-level DP-FedAvg and
+    with sample-level DP-SGD (the torch program; ``fedfeat.engine.privacy``, its noise drawn on the device)."""
+    from fedfeat.engine.privacy import DPConfig
+
+    rows = []
+    for part in (0.1, 1.0):
+        base = None
+        for label, dp in (("none", None), ("client", DPConfig("client", 1.0, 0.1)),
+                          ("sample", DPConfig("sample", 1.0, 1.0))):  # fmt: skip
+            if not budget.ok(f"h fedavg {label} {part:.0%}"):
+                continue
+            c = cell("fedavg", {}, data, part=part, engine="batched", rounds=args.rounds, dev=dev, kernel="torch",
+                     cap=args.cell_cap, dp=dp)  # fmt: skip
+            base = c["sec"] if dp is None else base
+            ratio = "-" if dp is None or base is None else f"**{c['sec'] / base:.2f}x**"
+            rows.append(f"| fedavg | {part:.0%} | {label} | {c['sec']:.4f} ({c['timed']}) | {ratio} | "
+                        f"{c['acc'][c['last']]:.2f} | {mib(c['peak'])} |")  # fmt: skip
+    return rows
+
+
+def cell(method, sets, data, *, part, engine, rounds, dev, kernel, cap, dp=None) -> dict:
     """One (method, participation, engine): ``rounds`` rounds (the first a warm-up), stopped after the round in
     which the cell passed ``cap`` seconds. Accuracy by round, the final weights if it ran to the end."""
     rows: list[dict] = []
@@ -303,7 +327,7 @@ def cell(method, sets, data, *, part, engine, rounds, dev, kernel, cap) -> dict:
     w = None
     try:
         w, _ = run_one(method, sets, data, rounds=rounds, part=part, seed=0, engine=engine, dev=dev, kernel=kernel,
-                       on_round=on_round)  # fmt: skip
+                       on_round=on_round, dp=dp)  # fmt: skip
     except Stop:
         pass
     sync(dev)
@@ -957,7 +981,9 @@ def main() -> None:
     add("--out", default=str(ROOT / "bench" / "results" / "gpu.md"))
     add("--store", default=str(ROOT / "cache" / "synth-cifar10.zarr"), help="the CIFAR-10-shaped store")
     add("--kernel", default="torch", help="torch (the GPU program; default) or auto")
-    add("--parts", default="abcef", help="which parts run (letters of a, b, c, e, f; default all; g is b)")
+    add(
+        "--parts", default="abcefh", help="which parts run (letters of a, b, c, e, f, h; default all; g is b)"
+    )
     add("--clients", type=int, help="clients of every partition")
     add("--rounds", type=int, help="timed rounds a cell of parts a and f, after a warm-up round")
     add("--stack-runs", type=int, help="runs stacked in part b")
@@ -991,9 +1017,9 @@ def main() -> None:
     args.light = LIGHT_QUICK if q else LIGHT
     args.prompt_light = {"local_epochs": "1"} if q else {}
     args.prompt_classes = [int(k) for k in (args.prompt_classes or ("10,20" if q else "100,1000")).split(",")]
-    bad = set(args.parts) - set("abcefg")
+    bad = set(args.parts) - set("abcefgh")
     if bad:
-        ap.error(f"--parts: unknown part(s) {', '.join(sorted(bad))}; letters of a, b, c, e, f")
+        ap.error(f"--parts: unknown part(s) {', '.join(sorted(bad))}; letters of a, b, c, e, f, h")
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no CUDA device")
@@ -1015,7 +1041,7 @@ def main() -> None:
     env = env_in_subprocess(args.device)
     log(env)
     parts = args.parts
-    st = stores(args) if set(parts) & set("abcg") else {}
+    st = stores(args) if set(parts) & set("abcgh") else {}
     N = args.clients
     head = [
         f"## GPU: batched vs loop engine, stacked runs, agreement, peak memory, encode, prompt methods "
@@ -1036,7 +1062,7 @@ def main() -> None:
         "loop |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    order = ("a", "b", "c", "e", "f", "f-rounds", "a100")
+    order = ("a", "b", "c", "h", "e", "f", "f-rounds", "a100")
     sec: dict[str, list[str]] = {k: [] for k in (*order, "a-heavy")}
     heads: dict[str, list[str]] = {}
 
@@ -1053,7 +1079,7 @@ def main() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text("\n".join(lines) + "\n")
 
-    if "a" in parts or "c" in parts or "b" in parts or "g" in parts:
+    if set(parts) & set("abcgh"):
         path, p = st["c10"]
     if "a" in parts:
         data = load(path, "iid", dev, N)
@@ -1075,7 +1101,7 @@ def main() -> None:
         write()
         del data
 
-    if "b" in parts or "g" in parts or "c" in parts:
+    if set(parts) & set("bcgh"):
         data = load(path, "dirichlet", dev, N, alpha=0.1, seed=0)
     if "b" in parts or "g" in parts:
         heads["b"] = [
@@ -1108,7 +1134,19 @@ def main() -> None:
         log("part c")
         sec["c"] = part_c(args, dev, data, budget)
         write()
-    if "b" in parts or "g" in parts or "c" in parts:
+    if "h" in parts:
+        heads["h"] = [
+            f"### h. Differential privacy: fedavg s/round without DP, client-level DP-FedAvg (z = 1, C = 0.1) and "
+            f"sample-level DP-SGD (z = 1, C = 1) ({p.classes} classes, Dirichlet alpha 0.1, {N} clients, the torch "
+            "program; the noise drawn on the device)",
+            "",
+            "| method | participation | DP | s/round (timed rounds) | / no DP | test acc % (last round) | peak GPU MiB |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        log("part h")
+        sec["h"] = part_h(args, dev, data, budget)
+        write()
+    if set(parts) & set("bcgh"):
         del data
 
     if "e" in parts:
