@@ -402,3 +402,32 @@ def test_an_epsilon_sweep_is_one_stacked_program(stores, tmp_path):
     assert [s.get("stacked_runs") for s in summaries] == [3, 3, 3]
     assert summaries[0]["epsilon"] <= 8.0 and summaries[1]["epsilon"] <= 2.0 and "epsilon" not in summaries[2]
     assert summaries[0]["dp"]["noise_multiplier"] < summaries[1]["dp"]["noise_multiplier"]
+
+
+def test_personal_parts_stay_with_their_clients_under_client_dp(stores, monkeypatch):
+    """FedPGP's low-rank factors never leave their clients: under DP-FedAvg the engine aggregates only the global
+    prompt and the method keeps each client's own factors (``keep_local``), as it does without DP."""
+    from helpers_clip import grab_setups
+
+    from fedfeat.encoders.live import load_live_text
+    from fedfeat.methods.prompt_personal import FedPGP
+
+    seen = grab_setups(monkeypatch, [FedPGP])
+    st = FeatureStore.open(stores["prompt"])
+    data = load_run_data(st, make_partition(st.labels("train"), "iid", clients=2))
+    data.live = load_live_text(st)
+    sets = {"n_ctx": 2, "batch_size": 8}
+    runs = {}
+    for dp in (
+        None,
+        privacy.DPConfig("client", 0.0, 1e9),
+    ):  # no noise, no clipping: DP-FedAvg = uniform FedAvg
+        start = {k: None for k in ("client_U", "client_V")}
+        glob, _ = run_federated(get_method("fedpgp", {**sets, "aggregation": "mean"}), data, rounds=2,
+                                participation=1.0, seed=0, dp=dp)  # fmt: skip
+        ctx = seen[-1]
+        runs[dp is None] = (glob, {k: ctx.state[k].clone() for k in start})
+    (g_dp, s_dp), (g, s) = runs[False], runs[True]
+    for k in s:
+        assert torch.allclose(s_dp[k], s[k], atol=1e-6), k  # the same personal parts, kept
+    assert torch.allclose(g_dp["ctx"], g["ctx"], atol=1e-6)

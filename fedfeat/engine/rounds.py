@@ -715,6 +715,7 @@ def _run(
                 "loss_steps": sum(o[1]["loss_steps"] for o in outs),
             }
         if dp is not None and dp.mode == "client":  # DP-FedAvg: clipped, uniform, noised (engine.privacy)
+            method.keep_local(ctx, plan, cparams)  # personal parts stay with their clients
             new = privacy.client_aggregate(ctx, plan, glob, cparams, parts=method.dp_parts())
         else:
             new = method.aggregate(ctx, plan, glob, cparams)

@@ -178,6 +178,7 @@ def run_stacked_rounds(
             if ctxs[r].dp is not None:  # DP-FedAvg: the run's own clipping, noise and clip state
                 from fedfeat.engine import privacy
 
+                methods[r].keep_local(ctxs[r], plans[r], cparams[r])
                 new = privacy.client_aggregate(
                     ctxs[r], plans[r], globs[r], cparams[r], parts=methods[r].dp_parts()
                 )

@@ -737,6 +737,11 @@ class Method:
 
         return trainable_params(cparams, plan.m)
 
+    def keep_local(self, ctx: Context, plan: RoundPlan, cparams: dict) -> None:
+        """What a method keeps of its clients' round that never leaves them (personalised parts: FedPGP's low-rank
+        factors, FedOTP's local prompts), before the server aggregates. Its ``aggregate`` calls it; under client-level
+        DP, where the engine aggregates, the engine does. Default: nothing."""
+
     def dp_parts(self) -> int:
         """Client-level DP: how many separately clipped parts a client uploads (its update, and e.g. CReFF's class
         gradients); the noise on each is ``sqrt(parts)`` times one part's, so the round stays one Gaussian mechanism

@@ -386,6 +386,7 @@ class FedOTP(PromptMethod):
     """FedOTP (Li et al. 2024): global + local CoOp prompts per client, matched to patch features by OT."""
 
     name = "fedopt"
+    dp_client = True  # DP-FedAvg of the global prompts; the local prompts never leave their clients
     state_keys = {
         "client_local": "per-client: [C, n_ctx, W] each client's local CoOp prompt (never aggregated)"
     }
@@ -491,8 +492,11 @@ class FedOTP(PromptMethod):
         return pseudo_loss(ctx, logits, batch, self.p.pseudo)
 
     # ------------------------------------------------------------------ server
-    def aggregate(self, ctx: Context, plan: RoundPlan, glob: dict, cparams: dict) -> dict:
+    def keep_local(self, ctx: Context, plan: RoundPlan, cparams: dict) -> None:
         ctx.state["client_local"][plan.clients.to(ctx.device)] = cparams["local"].detach()
+
+    def aggregate(self, ctx: Context, plan: RoundPlan, glob: dict, cparams: dict) -> dict:
+        self.keep_local(ctx, plan, cparams)
         w = client_weights(ctx, plan, self.p.aggregation)
         return (
             glob if w is None else fedavg({"ctx": cparams["ctx"]}, w)

@@ -112,6 +112,7 @@ class PFedPrompt(PromptMethod):
     """pFedPrompt (Guo et al. 2023): a global CoOp prompt + attention over each client's own feature memory."""
 
     name = "pfedprompt"
+    dp_client = True  # DP-FedAvg of the global prompt; each client's memory stays with it
     Params = PFedPromptParams
     uses_labels = True
 

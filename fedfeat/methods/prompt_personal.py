@@ -198,10 +198,13 @@ class _Personal(PromptMethod):
         c = plan.clients.to(ctx.device)
         return {k: ctx.state[f"client_{k}"][c].clone() for k in self.LOCAL}
 
-    def aggregate(self, ctx: Context, plan: RoundPlan, glob: dict, cparams: dict) -> dict:
+    def keep_local(self, ctx: Context, plan: RoundPlan, cparams: dict) -> None:
         c = plan.clients.to(ctx.device)
         for k in self.LOCAL:  # the local parts stay with their clients
             ctx.state[f"client_{k}"][c] = cparams[k].detach()
+
+    def aggregate(self, ctx: Context, plan: RoundPlan, glob: dict, cparams: dict) -> dict:
+        self.keep_local(ctx, plan, cparams)
         w = client_weights(ctx, plan, self.p.aggregation)
         return glob if w is None else fedavg({"ctx": cparams["ctx"]}, w)
 
@@ -249,6 +252,7 @@ class FedPGP(_Personal):
     """FedPGP (Cui et al. 2024): a global prompt + a client low-rank adaptation, with a contrastive term."""
 
     name = "fedpgp"
+    dp_client = True  # DP-FedAvg of the global prompt; the low-rank factors never leave their clients
     Params = FedPGPParams
     LOCAL = ("U", "V")
     state_keys = {
@@ -316,6 +320,7 @@ class PromptFolio(_Personal):
     """PromptFolio (Pan et al. 2024): a global and a local CoOp prompt per client, their features mixed by theta."""
 
     name = "promptfolio"
+    dp_client = True  # DP-FedAvg of the global prompt; the local prompts never leave their clients
     Params = PromptFolioParams
     LOCAL = ("local",)
     state_keys = {
