@@ -519,3 +519,30 @@ def same_personal_runs(name, sets, data, seen, rounds=2):
     for key in ("local_acc", "test_acc"):
         assert [r[key] for r in rb] == pytest.approx([r[key] for r in rl], abs=1e-9)
     return mb, gb, rb, seen[-2]  # the batched run's context
+
+
+# ---------------------------------------------------------------------------------------- killed and resumed runs
+class Killed(KeyboardInterrupt):
+    """What ``train_killed`` raises at the run's fault point (an in-process kill that keeps the partial run)."""
+
+
+def train_killed(cfg, every: int, kill: int | None = None, resume=None):
+    """``fedfeat.runs.train.train`` with ``checkpoint_every=every``, killed after round ``kill`` (``Killed`` at the fault
+    point ``after-round-N``; the partial run and its checkpoint stay), or to the end (``kill`` None); ``resume``: a
+    run directory to go on from (with its own config). Returns the finished run's directory."""
+    import pytest
+
+    from fedfeat.report import rundir
+    from fedfeat.runs.train import train
+
+    def fault(name: str) -> None:
+        if name == f"after-round-{kill}":
+            raise Killed
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rundir, "fault_point", fault)
+        go = dict(checkpoint_every=every, progress=False, log=lambda s: None)
+        if kill is None:
+            return train(None if resume else cfg, resume=resume, **go)
+        with pytest.raises(Killed):
+            train(None if resume else cfg, resume=resume, **go)

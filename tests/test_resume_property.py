@@ -22,14 +22,13 @@ import pytest
 from helpers_clip import (
     feature_and_prompt_stores,
     subprocess_env,
+    train_killed,
 )
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from fedfeat.methods import REGISTRY
-from fedfeat.report import rundir
 from fedfeat.runs.config import RunConfig
-from fedfeat.runs.train import train
 
 ROUNDS = 5
 FEATURE = {  # method -> its settings on the synthetic store (those a method needs to run there)
@@ -90,23 +89,8 @@ def _cfg(stores, key: str, out: Path) -> RunConfig:
     return RunConfig(**{**base, **extra, "params": params})
 
 
-class _Kill(KeyboardInterrupt):
-    pass
-
-
 def _run(cfg: RunConfig, every: int, kill: int | None = None, resume: Path | None = None) -> None:
-    def fault(name: str) -> None:
-        if name == f"after-round-{kill}":
-            raise _Kill
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rundir, "fault_point", fault)
-        go = dict(checkpoint_every=every, progress=False, log=lambda s: None)
-        if kill is None:
-            train(None if resume else cfg, resume=resume, **go)
-            return
-        with pytest.raises(_Kill):
-            train(None if resume else cfg, resume=resume, **go)
+    train_killed(cfg, every, kill, resume)
 
 
 def _timing(key: str) -> bool:

@@ -210,13 +210,16 @@ def sample_noise(ctx, plan, sums: dict, ids: torch.Tensor, epoch: int, step: int
     return {k: v / batch_size for k, v in noisy.items()}
 
 
-def tasks(dp: DPConfig, ctx, method, participation: float, rounds: int) -> list[tuple[float, int]]:
-    """The accountant's ``(sampling rate, steps)`` of ``rounds`` rounds (``fedfeat.engine.accountant``)."""
+def tasks(
+    dp: DPConfig, sizes: list[int], method, participation: float, rounds: int
+) -> list[tuple[float, int]]:
+    """The accountant's ``(sampling rate, steps)`` of ``rounds`` rounds (``fedfeat.engine.accountant``);
+    ``sizes``: every client's training samples."""
     from fedfeat.engine import accountant
 
     if dp.mode == "client":
-        return accountant.client_tasks(ctx.n_clients, max(1, int(participation * ctx.n_clients)), rounds)
-    sizes = (ctx.offsets[1:] - ctx.offsets[:-1]).tolist()
+        n = len(sizes)
+        return accountant.client_tasks(n, max(1, int(participation * n)), rounds)
     return accountant.sample_tasks(sizes, int(method.p.batch_size), int(method.p.local_epochs), rounds)
 
 
@@ -230,29 +233,56 @@ def check_delta(dp: DPConfig, n: int) -> None:
         )
 
 
-def prepare(dp: DPConfig, ctx, method, participation: float, rounds: int):
-    """``(dp with its noise multiplier, epsilon_after(rnd))``: the multiplier calibrated to ``dp.epsilon`` over the
-    run's ``rounds`` when none was given; ``epsilon_after(r)``: what ``r`` rounds spend at ``dp.delta``."""
+def prepare(dp: DPConfig, sizes: list[int], method, participation: float, rounds: int):
+    """``(dp with its noise multiplier, epsilon_after(rnd))`` of a federation whose clients hold ``sizes`` training
+    samples: delta checked, the multiplier calibrated to ``dp.epsilon`` over the run's ``rounds`` when none was given,
+    adaptive clipping's room checked (each a one-line error); ``epsilon_after(r)``: what ``r`` rounds spend at
+    ``dp.delta``. ``fedfeat.runs.train`` calls it before anything is written, the engine again (its accountant's
+    curves are cached: the second call costs nothing)."""
     from fedfeat.engine import accountant
 
-    check_delta(dp, ctx.n_clients if dp.mode == "client" else int(ctx.offsets[-1]))
+    sizes = [int(n) for n in sizes]
+    check_delta(dp, len(sizes) if dp.mode == "client" else sum(sizes))
     if dp.noise_multiplier is None:
         z = accountant.calibrate(
-            tasks(dp, ctx, method, participation, rounds), dp.epsilon, dp.delta, dp.accountant
+            tasks(dp, sizes, method, participation, rounds), dp.epsilon, dp.delta, dp.accountant
         )
         dp = dataclasses.replace(dp, noise_multiplier=z, calibrated=True)
-    if dp.clip == "adaptive":  # the count's noise must leave room for the updates' (one line, before round 1)
-        dp.update_multiplier(max(1, int(participation * ctx.n_clients)))
+    if dp.clip == "adaptive":  # the count's noise must leave room for the updates'
+        dp.update_multiplier(max(1, int(participation * len(sizes))))
     cache: dict[int, float] = {}
 
     def epsilon_after(r: int) -> float:
         if r not in cache:
             cache[r] = accountant.worst_epsilon(
-                tasks(dp, ctx, method, participation, r), dp.noise_multiplier, dp.delta, dp.accountant
+                tasks(dp, sizes, method, participation, r), dp.noise_multiplier, dp.delta, dp.accountant
             )
         return cache[r]
 
     return dp, epsilon_after
+
+
+def client_sizes(ctx) -> list[int]:
+    """Every client's training samples (``ctx.offsets``)."""
+    return (ctx.offsets[1:] - ctx.offsets[:-1]).tolist()
+
+
+def aggregate(method, ctx, plan, glob: dict, cparams: dict) -> dict:
+    """The server's aggregate of a client-level DP round, in place of ``method.aggregate``: the method keeps what
+    never leaves its clients (``keep_local``), then ``client_aggregate`` over its uploaded parts (``dp_parts``)."""
+    method.keep_local(ctx, plan, cparams)
+    return client_aggregate(ctx, plan, glob, cparams, parts=method.dp_parts())
+
+
+def round_row(ctx, epsilon_after, rnd: int) -> dict:
+    """A DP round's metrics-row figures: epsilon spent after ``rnd`` rounds, the noise multiplier, the clipping norm
+    and the round's own figures (``client_aggregate``'s: the clip this round used, the median update norm, ...)."""
+    return {
+        "epsilon": epsilon_after(rnd),
+        "dp_noise_multiplier": ctx.dp.noise_multiplier,
+        "dp_clip": float(ctx.state["dp"]["clip"]),
+        **ctx.state["dp"]["round"],
+    }
 
 
 def from_config(cfg) -> DPConfig | None:

@@ -642,7 +642,7 @@ def _run(
 
         if dist_info()[1] > 1:
             raise FedfeatError("differentially private runs are made in one process; drop torchrun")
-        dp, accounting = privacy.prepare(dp, ctx, method, participation, rounds)
+        dp, accounting = privacy.prepare(dp, privacy.client_sizes(ctx), method, participation, rounds)
         ctx.dp = dp
     ctx.threads = threads
     ctx.rounds = rounds
@@ -715,8 +715,7 @@ def _run(
                 "loss_steps": sum(o[1]["loss_steps"] for o in outs),
             }
         if dp is not None and dp.mode == "client":  # DP-FedAvg: clipped, uniform, noised (engine.privacy)
-            method.keep_local(ctx, plan, cparams)  # personal parts stay with their clients
-            new = privacy.client_aggregate(ctx, plan, glob, cparams, parts=method.dp_parts())
+            new = privacy.aggregate(method, ctx, plan, glob, cparams)
         else:
             new = method.aggregate(ctx, plan, glob, cparams)
         glob = check_params(method, "server_update", method.server_update(ctx, plan, glob, new), glob)
@@ -740,16 +739,7 @@ def _run(
                 "trainable_params": method.trainable_count(ctx, plan, cparams)
                 if method.trains_clients
                 else 0,
-                **(
-                    {}
-                    if accounting is None
-                    else {
-                        "epsilon": accounting(rnd),
-                        "dp_noise_multiplier": dp.noise_multiplier,
-                        "dp_clip": float(ctx.state["dp"]["clip"]),
-                        **ctx.state["dp"]["round"],
-                    }
-                ),
+                **({} if accounting is None else privacy.round_row(ctx, accounting, rnd)),
             },
         )
         if (

@@ -143,7 +143,9 @@ def run_stacked_rounds(
             from fedfeat.engine import privacy
 
             privacy.check_method(m, dps[r])
-            c.dp, accounting[r] = privacy.prepare(dps[r], c, m, participation[r], rounds)
+            c.dp, accounting[r] = privacy.prepare(
+                dps[r], privacy.client_sizes(c), m, participation[r], rounds
+            )
     for m, c in zip(methods, ctxs):
         m.setup(c)
     if setup is not None:
@@ -178,10 +180,7 @@ def run_stacked_rounds(
             if ctxs[r].dp is not None:  # DP-FedAvg: the run's own clipping, noise and clip state
                 from fedfeat.engine import privacy
 
-                methods[r].keep_local(ctxs[r], plans[r], cparams[r])
-                new = privacy.client_aggregate(
-                    ctxs[r], plans[r], globs[r], cparams[r], parts=methods[r].dp_parts()
-                )
+                new = privacy.aggregate(methods[r], ctxs[r], plans[r], globs[r], cparams[r])
             else:
                 new = methods[r].aggregate(ctxs[r], plans[r], globs[r], cparams[r])
             globs[r] = methods[r].server_update(ctxs[r], plans[r], globs[r], new)
@@ -205,11 +204,9 @@ def run_stacked_rounds(
                 else 0,
             }
             if accounting[r] is not None:  # as run_federated's rows
-                st = ctxs[r].state["dp"]
-                extra[r].update(
-                    {"epsilon": accounting[r](rnd), "dp_noise_multiplier": ctxs[r].dp.noise_multiplier,
-                     "dp_clip": float(st["clip"]), **st["round"]}
-                )  # fmt: skip
+                from fedfeat.engine import privacy
+
+                extra[r].update(privacy.round_row(ctxs[r], accounting[r], rnd))
         record(rnd, list(extra), extra, t0)
     for r in range(R):
         if results[r] is None:

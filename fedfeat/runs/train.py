@@ -193,17 +193,15 @@ def train(
     if _stacked is None:  # a stacked run's peak is its stack's: reset once by train_stacked
         reset_device_peak(device)
     dp = dp_config(cfg, method)  # before anything is written
-    if dp is not None and dp.mode == "client":
-        from fedfeat.engine.privacy import check_delta
-
-        check_delta(dp, cfg.clients)
-    if dp is not None and dp.clip == "adaptive" and dp.noise_multiplier is not None:
-        dp.update_multiplier(max(1, int(cfg.participation * cfg.clients)))
     if dp is not None and dp.mode == "sample" and cfg.kernel == "fused":
         raise FedfeatError("--dp sample clips per-sample gradients in the torch program; use --kernel torch (or auto)")
     kernel = "torch" if dp is not None and dp.mode == "sample" else resolve_kernel(cfg.kernel, method, cfg.engine, device)
     store = open_store(cfg)
     key, part, stored = method_partition(store, cfg, method, save_partition)
+    if dp is not None:  # delta, the calibration to --epsilon, adaptive clipping's room: one line, before the run dir
+        from fedfeat.engine.privacy import prepare
+
+        prepare(dp, part.sizes().tolist(), method, cfg.participation, cfg.rounds)
     name = cfg.name or default_run_name(cfg, method_params, method_defaults, store.attrs, key)
     out = rundir.check_out(cfg.out)
     rd = rundir.RunDir(out, name)
