@@ -546,3 +546,18 @@ def train_killed(cfg, every: int, kill: int | None = None, resume=None):
             return train(None if resume else cfg, resume=resume, **go)
         with pytest.raises(Killed):
             train(None if resume else cfg, resume=resume, **go)
+
+
+def fake_prompt_ctx(live, n_clients: int = 2, seed: int = 0):
+    """A minimal method context on the tiny store's live text tower (five CIFAR-10 classes, their ``a photo of a
+    {c}.`` text features): what the prompt methods' transcription tests hand their hooks."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    names = ["airplane", "automobile", "bird", "cat", "deer"]
+    text = F.normalize(live.tower.encode([f"a photo of a {c}." for c in names]), dim=-1)
+    return SimpleNamespace(
+        device="cpu", live=live, class_names=names, rounds=2, open_vocab=None, seed=seed, n_clients=n_clients,
+        state={}, cache={}, text=text, K=len(names), clip_logit_scale=100.0,
+    )  # fmt: skip

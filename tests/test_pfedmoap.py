@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from helpers_clip import (
+    fake_prompt_ctx,
     grab_setups,
     personal_data,
     run_cli,
@@ -112,12 +113,7 @@ def live(store):
 
 
 def _fake_ctx(live, n_clients=4, seed=0):
-    names = ["airplane", "automobile", "bird", "cat", "deer"]
-    text = F.normalize(live.tower.encode([f"a photo of a {c}." for c in names]), dim=-1)
-    return SimpleNamespace(
-        device="cpu", live=live, class_names=names, rounds=2, open_vocab=None, seed=seed, n_clients=n_clients,
-        state={}, cache={}, text=text, K=len(names), clip_logit_scale=100.0,
-    )  # fmt: skip
+    return fake_prompt_ctx(live, n_clients, seed)
 
 
 @pytest.mark.parametrize(

@@ -5,13 +5,13 @@ each client's own model recomputed here, and ``fedfeat train`` end to end with `
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers_clip import (
+    fake_prompt_ctx,
     grab_setups,
     personal_data,
     run_cli,
@@ -160,12 +160,7 @@ def live(store):
 
 
 def _fake_ctx(live, n_clients=2, seed=0):
-    names = ["airplane", "automobile", "bird", "cat", "deer"]
-    text = F.normalize(live.tower.encode([f"a photo of a {c}." for c in names]), dim=-1)
-    return SimpleNamespace(
-        device="cpu", live=live, class_names=names, rounds=2, open_vocab=None, seed=seed, n_clients=n_clients,
-        state={}, cache={}, text=text, K=len(names), clip_logit_scale=100.0,
-    )  # fmt: skip
+    return fake_prompt_ctx(live, n_clients, seed)
 
 
 def _code_encoder(tower):

@@ -48,7 +48,7 @@ from fedfeat.engine.context import Batch, Context, masked_mean
 from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import register
 from fedfeat.methods.prompt import TAG_CTX_INIT, PromptParams
-from fedfeat.methods.promptfl import FedTPG, PromptFL, _uniform
+from fedfeat.methods.promptfl import FedTPG, PromptFL, _uniform, check_tpg_optimizer
 
 TAG_META_INIT = 303
 
@@ -79,16 +79,7 @@ class CoOpFLParams(PromptParams):
 
     def validate(self) -> None:
         super().validate()
-        if self.schedule == "cosine-epoch" and self.optimizer_state == "per-client":
-            raise FedfeatError(
-                "schedule=cosine-epoch with optimizer_state=per-client is not a reading of FedTPG's code; use "
-                "--set schedule=cosine (TPG's) or optimizer_state=fresh"
-            )
-        if self.optimizer == "adamw" and self.optimizer_state == "per-client":
-            raise FedfeatError(
-                "optimizer=adamw keeps no per-client AdamW state (optimizer_state=per-client is TPG's SGD); "
-                "add --set optimizer_state=fresh"
-            )
+        check_tpg_optimizer(self)
 
 
 @dataclass(frozen=True)

@@ -68,15 +68,14 @@ from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import register
 from fedfeat.methods.prompt import (
     TAG_CTX_INIT,
+    PersonalEval,
     PromptFLParams,
     PromptMethod,
-    client_accuracies,
     client_scores,
     client_weights,
     per_client_scores,
     pseudo_label,
     pseudo_loss,
-    pseudo_metrics,
     refuse_open_vocab,
     round_lr,
 )
@@ -231,7 +230,7 @@ class _GatingSGD(BatchedSGD):
 
 
 @register
-class PFedMoAP(PromptMethod):
+class PFedMoAP(PersonalEval, PromptMethod):
     """pFedMoAP (Luo et al. 2025): a local prompt expert plus downloaded non-local ones, mixed by a local gating."""
 
     name = "pfedmoap"
@@ -401,15 +400,6 @@ class PFedMoAP(PromptMethod):
             )  # fmt: skip
 
         return per_client_scores(ctx, rows, score)
-
-    @torch.no_grad()
-    def local_accuracies(self, ctx: Context, glob: dict, test_y: torch.Tensor) -> list[float]:
-        """Each client's accuracy on its local test rows with its own model (``local_logits``)."""
-        rows = [torch.as_tensor(r, dtype=torch.int64) for r in ctx.local_test]
-        return client_accuracies(self.local_logits(ctx, glob, rows), rows, test_y)
-
-    def round_metrics(self, ctx: Context, data, glob: dict, ev: dict) -> dict:
-        return pseudo_metrics(ctx, data, self.p.pseudo)
 
     def final_weights(self, ctx: Context, glob: dict) -> dict[str, torch.Tensor]:
         """The global prompt, every client's stored prompt and gating network (``client_*``, ``[clients, ...]``)."""

@@ -51,14 +51,13 @@ from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import register
 from fedfeat.methods.prompt import (
     TAG_CTX_INIT,
+    PersonalEval,
     PromptFLParams,
     PromptMethod,
-    client_accuracies,
     client_weights,
     per_client_scores,
     pseudo_label,
     pseudo_loss,
-    pseudo_metrics,
 )
 
 
@@ -108,7 +107,7 @@ def memory_logits(
 
 
 @register
-class PFedPrompt(PromptMethod):
+class PFedPrompt(PersonalEval, PromptMethod):
     """pFedPrompt (Guo et al. 2023): a global CoOp prompt + attention over each client's own feature memory."""
 
     name = "pfedprompt"
@@ -208,12 +207,3 @@ class PFedPrompt(PromptMethod):
             return ctx.clip_logit_scale * x @ t.to(x.dtype).T + self._memory(x, mem).to(x.dtype)
 
         return per_client_scores(ctx, rows, score)
-
-    @torch.no_grad()
-    def local_accuracies(self, ctx: Context, glob: dict, test_y: torch.Tensor) -> list[float]:
-        """Each client's accuracy on its local test rows with the global prompt and its own memory."""
-        rows = [torch.as_tensor(r, dtype=torch.int64) for r in ctx.local_test]
-        return client_accuracies(self.local_logits(ctx, glob, rows), rows, test_y)
-
-    def round_metrics(self, ctx: Context, data, glob: dict, ev: dict) -> dict:
-        return pseudo_metrics(ctx, data, self.p.pseudo)

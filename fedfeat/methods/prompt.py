@@ -452,10 +452,27 @@ def pseudo_metrics(ctx: Context, data, pseudo: str) -> dict:
     return out
 
 
+class PersonalEval:
+    """The evaluation hooks of a personalised prompt method whose ``local_logits(ctx, glob, rows)`` scores each
+    client's local test rows with its own model (FedPGP / PromptFolio's personalised prompt, pFedMoAP's mixture,
+    pFedPrompt's memory): each client's accuracy there (the ``local_accuracies`` capability) and the pseudo-label
+    figures of the round. Mixed in before ``PromptMethod``."""
+
+    @torch.no_grad()
+    def local_accuracies(self, ctx: Context, glob: dict, test_y: torch.Tensor) -> list[float]:
+        """Each client's accuracy on its local test rows with its own model (``local_logits``)."""
+        rows = [torch.as_tensor(r, dtype=torch.int64) for r in ctx.local_test]
+        return client_accuracies(self.local_logits(ctx, glob, rows), rows, test_y)
+
+    def round_metrics(self, ctx: Context, data, glob: dict, ev: dict) -> dict:
+        return pseudo_metrics(ctx, data, self.p.pseudo)
+
+
 __all__ = [
     "client_weights",
     "pseudo_loss",
     "pseudo_metrics",
+    "PersonalEval",
     "PromptMethod", "PromptParams", "PromptFLParams", "pseudo_label", "round_lr", "epoch_lr", "resolve_precision",
     "cpl_datasets", "TAG_CTX_INIT", "LR_STEPS",
 ]  # fmt: skip

@@ -67,15 +67,14 @@ from fedfeat.errors import FedfeatError
 from fedfeat.methods.base import register
 from fedfeat.methods.prompt import (
     TAG_CTX_INIT,
+    PersonalEval,
     PromptFLParams,
     PromptMethod,
-    client_accuracies,
     client_scores,
     client_weights,
     per_client_scores,
     pseudo_label,
     pseudo_loss,
-    pseudo_metrics,
     refuse_open_vocab,
 )
 
@@ -169,7 +168,7 @@ def folio_features(t_global: torch.Tensor, t_local: torch.Tensor, theta: float) 
     return (1 - theta) * F.normalize(t_global, dim=-1) + theta * F.normalize(t_local, dim=-1)
 
 
-class _Personal(PromptMethod):
+class _Personal(PersonalEval, PromptMethod):
     """What both methods share: a global context (``glob["ctx"]``), per-client parts kept in ``ctx.state`` (the
     ``LOCAL`` keys, ``[C, ...]``), the pseudo-label modes, and per-client evaluation on the local test rows."""
 
@@ -232,15 +231,6 @@ class _Personal(PromptMethod):
         model; all clients at once, ``EVAL_ROWS`` rows per client and pass."""
         t = self.client_text(ctx, self._all_clients(ctx, glob))  # [C, K, D]
         return per_client_scores(ctx, rows, lambda x: client_scores(ctx.clip_logit_scale, x, t).float())
-
-    @torch.no_grad()
-    def local_accuracies(self, ctx: Context, glob: dict, test_y: torch.Tensor) -> list[float]:
-        """Each client's accuracy on its local test rows with its own personalised prompt."""
-        rows = [torch.as_tensor(r, dtype=torch.int64) for r in ctx.local_test]
-        return client_accuracies(self.local_logits(ctx, glob, rows), rows, test_y)
-
-    def round_metrics(self, ctx: Context, data, glob: dict, ev: dict) -> dict:
-        return pseudo_metrics(ctx, data, self.p.pseudo)
 
     def final_weights(self, ctx: Context, glob: dict) -> dict[str, torch.Tensor]:
         """The global context and every client's local parts (``client_*``, ``[clients, ...]``)."""

@@ -244,6 +244,22 @@ TAG_GENERATOR_INIT = 302
 CLIENT_MOMENTUM, CLIENT_ROUNDS = "tpg_momentum", "tpg_rounds"  # ctx.state keys (optimizer_state="per-client")
 
 
+def check_tpg_optimizer(p, who: str = "") -> None:
+    """FedTPG's harness keeps one SGD and cosine schedule per client (``optimizer_state=per-client``): refuse the
+    schedule and optimiser that reading cannot hold (FedTPG's own params and its CoOp baselines'; ``who`` prefixes
+    the AdamW line)."""
+    if p.schedule == "cosine-epoch" and p.optimizer_state == "per-client":
+        raise FedfeatError(
+            "schedule=cosine-epoch with optimizer_state=per-client is not a reading of FedTPG's code; use "
+            "--set schedule=cosine (TPG's) or optimizer_state=fresh"
+        )
+    if p.optimizer == "adamw" and p.optimizer_state == "per-client":
+        raise FedfeatError(
+            f"{who}optimizer=adamw keeps no per-client AdamW state (optimizer_state=per-client is TPG's SGD); "
+            "add --set optimizer_state=fresh"
+        )
+
+
 @dataclass(frozen=True)
 class FedTPGParams(PromptParams):
     local_epochs: int = 1  # TPG client.py:98: one pass over the train loader per round
@@ -273,16 +289,7 @@ class FedTPGParams(PromptParams):
             raise FedfeatError(
                 f"need depth >= 0, heads >= 1, ff_mult >= 1, got {self.depth}, {self.heads}, {self.ff_mult}"
             )
-        if self.schedule == "cosine-epoch" and self.optimizer_state == "per-client":
-            raise FedfeatError(
-                "schedule=cosine-epoch with optimizer_state=per-client is not a reading of FedTPG's code; use "
-                "--set schedule=cosine (TPG's) or optimizer_state=fresh"
-            )
-        if self.optimizer == "adamw" and self.optimizer_state == "per-client":
-            raise FedfeatError(
-                "fedtpg optimizer=adamw keeps no per-client AdamW state (optimizer_state=per-client is TPG's SGD); "
-                "add --set optimizer_state=fresh"
-            )
+        check_tpg_optimizer(self, "fedtpg ")
 
 
 def _uniform(g, shape, bound, dtype, device):
